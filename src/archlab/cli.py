@@ -1,0 +1,228 @@
+"""The ``archlab`` command line.
+
+Every user mistake ends as one line on stderr and a non-zero exit (2 for bad arguments and
+configs); nothing is written before the inputs have been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from archlab.errors import ArchlabError, CheckpointError, DataError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit 2) instead of usage text plus the error."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(2, f"archlab: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help="named preset: tiny, 20m, 124m, 350m, 1b (default tiny)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML config file(s) applied over the preset, in order")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override one key, e.g. --set model.n_layers=8 (repeatable)")
+
+
+def _load_cfg(args):
+    from archlab.config import make_config
+    return make_config(args.preset, args.config, args.overrides)
+
+
+# ---- train / eval / generate / info -----------------------------------------------------------
+def cmd_train(args) -> int:
+    from archlab.train.trainer import train
+
+    cfg = _load_cfg(args)
+    out = Path(args.out or f"runs/{args.preset}")
+    res = train(cfg, out, resume=args.resume == "auto")
+    print(f"done: {res.steps} steps, {res.tokens:,} tokens, val loss {res.final_val_loss:.4f} "
+          f"({res.final_val_bpb:.4f} bits/byte), {res.tokens_per_s:,.0f} tok/s on {res.device}"
+          + (f", MFU {res.mfu:.1%}" if res.mfu else "") + f"; checkpoints in {out / 'ckpt'}")
+    return 0
+
+
+def _check_tokenizer_matches(ckpt: Path, data) -> None:
+    from archlab.data.tokenizer import file_sha256
+
+    tok = ckpt / "tokenizer.json"
+    if tok.is_file() and file_sha256(tok) != file_sha256(data.tokenizer_path):
+        raise DataError(f"the data in {data.path} was tokenized with another tokenizer than checkpoint "
+                        f"{ckpt} was trained with; prepare the data with the checkpoint's tokenizer")
+
+
+def cmd_eval(args) -> int:
+    import math
+
+    import torch
+
+    from archlab.data.loader import TokenData
+    from archlab.train.checkpoint import load_model
+    from archlab.train.device import resolve_device
+
+    device = resolve_device(args.device)
+    model, cfg, ckpt = load_model(args.ckpt, device)
+    data = TokenData(args.data or cfg.data.path)
+    data.check_model_vocab(cfg.model.vocab_size)
+    _check_tokenizer_matches(ckpt, data)
+    seq = args.seq_len or cfg.train.seq_len
+    losses = []
+    with torch.no_grad():
+        for x, y in data.val_batches(args.batches, args.batch_size, seq):
+            losses.append(float(model(x.to(device), y.to(device)).nll))
+    loss = sum(losses) / len(losses)
+    bpb = loss / math.log(2) / data.bytes_per_token("val")
+    result = {"checkpoint": str(ckpt), "data": str(data.path), "val_loss": loss, "val_bpb": bpb,
+              "tokens": args.batches * args.batch_size * seq}
+    print(json.dumps(result, indent=1) if args.json else
+          f"{ckpt}: val loss {loss:.4f} nats/token, {bpb:.4f} bits/byte over {result['tokens']:,} tokens")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from archlab.data.tokenizer import load_tokenizer
+    from archlab.infer.generate import Generator, Sampling
+    from archlab.train.checkpoint import load_model
+    from archlab.train.device import resolve_device
+
+    model, cfg, ckpt = load_model(args.ckpt, resolve_device(args.device))
+    tok_path = ckpt / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json; cannot encode prompts")
+    tok = load_tokenizer(tok_path)
+    prompts = [tok.encode(p).ids or [0] for p in args.prompt]
+    stops = tuple(tok.encode(s).ids[0] for s in args.stop if tok.encode(s).ids) + (0,)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, stop_tokens=stops, seed=args.seed)
+    room = cfg.model.max_seq_len - sampling.max_new_tokens
+    prompts = [p[-room:] for p in prompts]
+    with torch.no_grad():
+        outs = Generator(model).generate(prompts, sampling)
+    for text, out in zip(args.prompt, outs):
+        out = [t for t in out if t != 0]
+        print(text + tok.decode(out))
+        if len(args.prompt) > 1:
+            print("-" * 40)
+    return 0
+
+
+def cmd_info(args) -> int:
+    import copy
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from archlab.model.accounting import costs
+
+    cfg = _load_cfg(args)
+    columns = [("this config", cfg.model)]
+    if cfg.model.branch.enabled:
+        base = copy.deepcopy(cfg.model)
+        base.branch.enabled = False
+        columns.append(("without decode branch", base))
+    if cfg.model.residual.kind != "standard":
+        base = copy.deepcopy(cfg.model)
+        base.residual.kind = "standard"
+        columns.append(("standard residual", base))
+    ctx = args.context or cfg.train.seq_len
+    rows = [costs(m, ctx, args.batch, args.dtype_bytes) for _, m in columns]
+    if args.json:
+        print(json.dumps({name: r for (name, _), r in zip(columns, rows)}, indent=1))
+        return 0
+    table = Table(title=f"costs at context {ctx}, batch {args.batch}, {args.dtype_bytes}-byte weights/KV")
+    table.add_column("")
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    if len(columns) > 1:
+        table.add_column("ratio", justify="right")
+    labels = [("params_total", "parameters (total)"), ("params_active", "parameters (active, primary)"),
+              ("params_embedding", "embedding parameters"), ("train_flops_per_token", "training FLOPs / token"),
+              ("prefill_flops_per_token", "prefill FLOPs / token"), ("decode_flops_per_token", "decode FLOPs / token"),
+              ("kv_bytes_per_token", "KV-cache bytes / token"), ("decode_bytes_per_step", "bytes read / decode step")]
+    for key, label in labels:
+        vals = [r[key] for r in rows]
+        cells = [f"{v:,.0f}" for v in vals]
+        if len(columns) > 1:
+            cells.append(f"{vals[0] / vals[1]:.3f}x" if vals[1] else "-")
+        table.add_row(label, *cells)
+    Console().print(table)
+    return 0
+
+
+# ---- main --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="archlab", description="Train, serve and compare LLM architectures under matched budgets.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    from archlab.data.cli import register as register_data
+    register_data(sub)
+
+    t = sub.add_parser("train", help="train a model on prepared data")
+    _config_args(t)
+    t.add_argument("--out", help="run directory (default runs/<preset>)")
+    t.add_argument("--resume", choices=["auto", "never"], default="auto",
+                   help="auto: continue from the run directory's latest checkpoint (default)")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint")
+    e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
+    e.add_argument("--data", help="prepared data directory (default: the one the model was trained on)")
+    e.add_argument("--batches", type=int, default=16)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--seq-len", type=int, default=0, help="default: the training sequence length")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="sample continuations from a checkpoint")
+    g.add_argument("--ckpt", required=True)
+    g.add_argument("--prompt", action="append", required=True, help="repeatable: one batch row each")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--stop", action="append", default=[], help="stop at this text's first token")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="parameters, FLOPs and KV bytes of a config")
+    _config_args(i)
+    i.add_argument("--context", type=int, default=0, help="context length (default: train.seq_len)")
+    i.add_argument("--batch", type=int, default=1)
+    i.add_argument("--dtype-bytes", type=int, default=2)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    for module in ("archlab.lab.cli", "archlab.analysis.cli"):
+        import importlib
+        try:
+            importlib.import_module(module).register(sub)
+        except ModuleNotFoundError as e:  # a feature package that is not installed in this tree
+            if not module.startswith(e.name or "?"):
+                raise
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ArchlabError as e:
+        print(f"archlab: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("archlab: interrupted; finished work and the last checkpoint are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

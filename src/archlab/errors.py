@@ -1,0 +1,30 @@
+"""User-facing errors.
+
+Anything a user can cause (a bad config, a missing data directory, a corrupt checkpoint, a bad CLI
+argument) raises an ``ArchlabError``; the CLI prints its message as one line and exits non-zero.
+Internal bugs stay ordinary exceptions so that their tracebacks are not hidden.
+"""
+
+
+class ArchlabError(Exception):
+    """An error caused by the user's input; printed as one line by the CLI."""
+
+    exit_code = 1
+
+
+class ConfigError(ArchlabError):
+    """A bad config key, value or combination (exit code 2, nothing written)."""
+
+    exit_code = 2
+
+
+class DataError(ArchlabError):
+    """Missing, malformed or mismatched data."""
+
+
+class CheckpointError(ArchlabError):
+    """A missing, truncated or corrupted checkpoint."""
+
+
+class TrainingDiverged(ArchlabError):
+    """The loss became non-finite; the last good checkpoint is kept."""

@@ -1,0 +1,299 @@
+"""The trainer: one obvious path from prepared data to a trained, checkpointed model.
+
+The whole training step is ``_train_step``; everything else is bookkeeping (schedule, evaluation,
+checkpoints, logs). Determinism: the batch at step k depends only on (data seed, k), the weights
+only on the init seed, and a checkpoint stores optimizer moments and RNG states, so a resumed run
+continues exactly as if it had never stopped (bitwise on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from archlab.config import RunConfig, dump_yaml
+from archlab.errors import CheckpointError, TrainingDiverged
+from archlab.model import build_model
+from archlab.model.accounting import mfu_flops_per_token, param_counts
+from archlab.train import checkpoint as ckpt_io
+from archlab.train.device import device_name, peak_flops, resolve_device
+from archlab.train.progress import TrainProgress
+
+
+@dataclass
+class TrainResult:
+    final_val_loss: float
+    final_val_bpb: float
+    val_curve: list[dict[str, Any]] = field(default_factory=list)
+    train_curve: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+    steps: int = 0
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    device: str = ""
+    mfu: float | None = None
+    params: int = 0
+
+
+# ---- schedule ----------------------------------------------------------------------------------
+def lr_at(step: int, cfg) -> float:
+    """Learning rate at ``step`` (0-based): linear warmup, then cosine / warmup-stable-decay."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
+    if cfg.schedule == "cosine":
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    decay_start = cfg.steps - int(cfg.decay_frac * cfg.steps)  # wsd
+    if step < decay_start:
+        return peak
+    frac = (step - decay_start) / max(1, cfg.steps - decay_start)
+    return peak + (floor - peak) * min(1.0, frac)
+
+
+def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms, gains, coupling vectors, queries)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == "cuda")
+
+
+# ---- optimizer state <-> safetensors (no pickle) ------------------------------------------------
+def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors = {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"state.{idx}.{k}"] = v.detach().cpu().contiguous()
+    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups}
+
+
+def _load_optim(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, v in tensors.items():
+        if not name.startswith("state."):
+            continue
+        _, idx, k = name.split(".", 2)
+        state.setdefault(int(idx), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# ---- the run -----------------------------------------------------------------------------------
+class Run:
+    def __init__(self, cfg: RunConfig, out_dir: Path):
+        from archlab.data.loader import TokenData
+
+        self.cfg, self.out = cfg, Path(out_dir)
+        tc = cfg.train
+        self.data = TokenData(cfg.data.path)
+        self.data.check_model_vocab(cfg.model.vocab_size)
+        self.device = resolve_device(tc.device)
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        torch.manual_seed(tc.seed)
+        self.model = build_model(cfg.model).to(self.device)
+        self.opt = make_optimizer(self.model, tc, self.device)
+        use_bf16 = tc.dtype == "bfloat16" or (tc.dtype == "auto" and self.device.type == "cuda")
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext())
+        self.step_fn = torch.compile(self.model) if tc.compile else self.model
+        self.step = 0
+
+    # The whole training step.
+    def train_step(self, step: int) -> float:
+        tc = self.cfg.train
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        total = 0.0
+        for micro in range(tc.grad_accum):
+            x, y = self.data.train_batch(step, micro, tc.batch_size, tc.seq_len, self.cfg.data.seed)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.autocast:
+                loss = self.step_fn(x, y).loss / tc.grad_accum
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(total)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Mean readout NLL (nats/token) and bits per byte on a fixed set of validation windows."""
+        tc = self.cfg.train
+        self.model.eval()
+        losses = []
+        for x, y in self.data.val_batches(tc.eval_batches, tc.batch_size, tc.seq_len):
+            with self.autocast:
+                out = self.model(x.to(self.device), y.to(self.device))
+            losses.append(float(out.nll))
+        self.model.train()
+        loss = sum(losses) / len(losses)
+        return loss, loss / math.log(2) / self.data.bytes_per_token("val")
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        otensors, ometa = _optim_tensors(self.opt)
+        otensors["rng.cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            otensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+        state = {"config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "step": step,
+                 "optimizer": ometa, "data": {"path": self.cfg.data.path, "seed": self.cfg.data.seed}}
+        root = self.out / "ckpt"
+        name = f"step_{step:07d}"
+        ckpt_io.write_checkpoint(root / name, {"model": ckpt_io._weights(self.model), "optim": otensors}, state,
+                                 {"tokenizer.json": self.data.tokenizer_path})
+        ckpt_io.atomic_write_text(root / "latest", name + "\n")
+        kept = sorted(p for p in root.glob("step_*") if p.is_dir())
+        for old in kept[: -self.cfg.train.keep_ckpts]:
+            if old.name != name:
+                import shutil
+                shutil.rmtree(old, ignore_errors=True)
+
+    def try_resume(self) -> bool:
+        try:
+            ck = ckpt_io.resolve_checkpoint(self.out)
+        except CheckpointError:
+            if (self.out / "ckpt" / "latest").exists():
+                raise
+            return False
+        state = ckpt_io.read_state(ck)
+        if state.get("config_hash") != self.cfg.hash():
+            raise CheckpointError(f"{self.out} holds a run with a different config "
+                                  f"(hash {state.get('config_hash')} vs {self.cfg.hash()}); "
+                                  "use another --out or --resume never")
+        ckpt_io.load_weights(self.model, ckpt_io.load_tensors(ck, "model"), ck)
+        otensors = ckpt_io.load_tensors(ck, "optim")
+        _load_optim(self.opt, {k: v.to(self.device) if k.startswith("state.") and v.dim() > 0 else v
+                               for k, v in otensors.items()}, state["optimizer"])
+        torch.set_rng_state(otensors["rng.cpu"])
+        if self.device.type == "cuda" and "rng.cuda" in otensors:
+            torch.cuda.set_rng_state(otensors["rng.cuda"], self.device)
+        self.step = int(state["step"])
+        return True
+
+
+class MetricsLog:
+    """metrics.jsonl (truncated to the resumed step, so a resumed run has one clean curve) plus
+    TensorBoard events when tensorboard is installed."""
+
+    def __init__(self, out: Path, resume_step: int):
+        self.path = out / "metrics.jsonl"
+        if self.path.exists():
+            keep = [l for l in self.path.read_text().splitlines()
+                    if l.strip() and json.loads(l).get("step", 0) <= resume_step]
+            ckpt_io.atomic_write_text(self.path, "".join(l + "\n" for l in keep))
+        self.f = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(out / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        except ImportError:
+            self.tb = None
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k not in ("step", "kind", "tokens") and isinstance(v, (int, float)) and v is not None:
+                    self.tb.add_scalar(f"{rec['kind']}/{k}", v, rec["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_curves(out: Path) -> tuple[list[dict], list[dict]]:
+    train, val = [], []
+    path = Path(out) / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                (val if rec["kind"] == "val" else train).append(rec)
+    return train, val
+
+
+def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=None,
+          stop_after_steps: int | None = None, show_progress: bool = True) -> TrainResult:
+    """Train ``cfg`` into ``out_dir``; continue from its latest checkpoint when ``resume``.
+
+    ``progress``: a rich ``Progress`` to add this run's task to (the lab shows many runs in one);
+    ``stop_after_steps``: leave after that many steps of this call (as if interrupted).
+    """
+    out = Path(out_dir)
+    tc = cfg.train
+    run = Run(cfg, out)  # validates data and device before anything is written
+    resumed = run.try_resume() if resume else False
+    if not resumed and (out / "ckpt" / "latest").exists():
+        raise CheckpointError(f"{out} already holds a checkpoint; resume it or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    if not resumed:
+        ckpt_io.atomic_write_text(out / "config.yaml", dump_yaml(cfg))
+    log = MetricsLog(out, run.step)
+    peak = peak_flops(run.device)
+    flops_tok = mfu_flops_per_token(cfg.model, tc.seq_len)
+    params = param_counts(cfg.model)["params_total"]
+    bar = TrainProgress(progress, total_steps=tc.steps, start_step=run.step, tokens_per_step=tc.tokens_per_step,
+                        label=out.name, enabled=show_progress)
+    t_start, steps_done, last_loss = time.perf_counter(), 0, float("nan")
+    tok_s = 0.0
+    try:
+        while run.step < tc.steps:
+            if stop_after_steps is not None and steps_done >= stop_after_steps:
+                break
+            t0 = time.perf_counter()
+            loss = run.train_step(run.step)
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"training diverged: loss is {loss} at step {run.step}; the last good checkpoint "
+                    f"in {out / 'ckpt'} is kept (try a lower train.lr or a longer warmup)")
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)
+            dt = time.perf_counter() - t0
+            run.step += 1
+            steps_done += 1
+            last_loss = loss
+            tok_s = tc.tokens_per_step / dt if dt > 0 else 0.0
+            bar.update(run.step, loss, tok_s)
+            if run.step % tc.log_every == 0 or run.step == tc.steps:
+                mfu = tok_s * flops_tok / peak if peak else None
+                log.write({"kind": "train", "step": run.step, "tokens": run.step * tc.tokens_per_step,
+                           "loss": loss, "lr": lr_at(run.step - 1, tc), "tokens_per_s": tok_s, "mfu": mfu})
+            if run.step % tc.eval_every == 0 or run.step == tc.steps:
+                vl, bpb = run.evaluate()
+                log.write({"kind": "val", "step": run.step, "tokens": run.step * tc.tokens_per_step,
+                           "loss": vl, "bpb": bpb})
+                bar.note(f"val {vl:.3f}")
+            if run.step % tc.ckpt_every == 0 or run.step == tc.steps:
+                run.save(run.step)
+    finally:
+        bar.close()
+        log.close()
+    wall = time.perf_counter() - t_start
+    train_curve, val_curve = read_curves(out)
+    tokens_per_s = steps_done * tc.tokens_per_step / wall if wall > 0 and steps_done else 0.0
+    if val_curve and val_curve[-1]["step"] == run.step:
+        final_loss, final_bpb = val_curve[-1]["loss"], val_curve[-1]["bpb"]
+    else:
+        final_loss, final_bpb = run.evaluate()
+    return TrainResult(
+        final_val_loss=final_loss, final_val_bpb=final_bpb, val_curve=val_curve, train_curve=train_curve,
+        tokens=run.step * tc.tokens_per_step, steps=run.step, tokens_per_s=tokens_per_s, wall_s=wall,
+        device=device_name(run.device),
+        mfu=(tokens_per_s * flops_tok / peak) if peak and tokens_per_s else None, params=params)

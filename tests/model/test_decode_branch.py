@@ -1,0 +1,201 @@
+"""Decode-Branch Transformer: shared-KV attention, coupling, mixture readout, grouped decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archlab.config import make_config
+from archlab.infer.generate import Generator, Sampling
+from archlab.model import build_model
+from archlab.model.accounting import costs
+from archlab.model.transformer import mixture_log_probs
+from tests.helpers import tiny_model_cfg
+from tests.infer.test_generate import assert_matches_full_forward
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "decode_branch"
+
+
+def branch_model(seed=0, randomize_coupling=True, **branch):
+    torch.manual_seed(seed)
+    cfg = tiny_model_cfg()
+    cfg.branch.enabled = True
+    for k, v in branch.items():
+        setattr(cfg.branch, k, v)
+    model = build_model(cfg).eval()
+    if randomize_coupling:  # zero-initialised in training; random here so that tests can fail
+        for name, p in model.named_parameters():
+            if ".couple_" in name:
+                torch.nn.init.normal_(p, 0.0, 0.5)
+    return model
+
+
+def primary_only(model):
+    """The same weights without the branch."""
+    cfg = model.cfg.__class__(**{**model.cfg.__dict__})
+    cfg.branch = model.cfg.branch.__class__(**{**model.cfg.branch.__dict__, "enabled": False})
+    base = build_model(cfg).eval()
+    own = base.state_dict()
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if k in own})
+    return base
+
+
+def test_primary_logits_bitwise_identical_with_branch_on_or_off():
+    model = branch_model()
+    x = torch.randint(0, 97, (3, 17))
+    with torch.no_grad():
+        on = model(x).logits
+        off = primary_only(model)(x).logits
+        no_rows = model(x, with_branch=False).logits
+    assert torch.equal(on, off) and torch.equal(on, no_rows)
+
+
+def test_uncoupled_branch_with_shared_embedding_equals_primary():
+    """Zero coupling, E2 = E1 and branch readout: the branch row is the primary row recomputed
+    through shared-KV attention, which pins down that the branch queries the primary's K/V at <= t."""
+    model = branch_model(randomize_coupling=False, readout="branch")
+    with torch.no_grad():
+        model.branch_emb.weight.copy_(model.tok_emb.weight)
+        x = torch.randint(0, 97, (2, 21))
+        out = model(x)
+    torch.testing.assert_close(out.branch_logits[0], out.logits, atol=1e-6, rtol=0)
+    # and a coupled branch with its own embedding differs
+    other = branch_model(seed=1)
+    with torch.no_grad():
+        o = other(x)
+    assert (o.branch_logits[0] - o.logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("n_branches,readout", [(1, "mixture"), (2, "mixture"), (1, "branch")])
+def test_grouped_decoding_reproduces_training_forward(n_branches, readout):
+    model = branch_model(n_branches=n_branches, readout=readout)
+    seqs = [torch.randint(1, 97, (n,)).tolist() for n in (13, 6, 10)]
+    assert_matches_full_forward(model, seqs, prompt_lens=[4, 2, 8])
+
+
+def test_kv_cache_after_generation_equals_primary_only_cache():
+    model = branch_model()
+    base = primary_only(model)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    n = 9
+    tokens = Generator(model).generate(prompts, Sampling(max_new_tokens=n, temperature=1.0, seed=0))
+    g, gb = Generator(model), Generator(base)
+    state, _ = g.start(prompts, n)
+    sb, _ = gb.start(prompts, n)
+    for j in range(n - 1):
+        nxt = torch.tensor([t[j] for t in tokens])
+        g.advance(state, nxt)
+        gb.advance(sb, nxt)
+    written = state.next_slot
+    assert written == sb.next_slot == 4 + n - 1
+    for layer in range(model.cfg.n_layers):
+        for kb, kp in zip(state.cache.layer(layer), sb.cache.layer(layer)):
+            assert kb.shape == kp.shape  # batch B: no rows for the branch
+            torch.testing.assert_close(kb, kp, atol=1e-6, rtol=0)
+            assert torch.count_nonzero(kb[:, :, written:]) == 0  # nothing beyond the primary's tokens
+
+
+def _mixture_reference(pl: torch.Tensor, bl: torch.Tensor, y: torch.Tensor, lo=0.5, hi=1.0) -> torch.Tensor:
+    p = torch.softmax(pl.double(), -1)
+    q = torch.softmax(bl.double(), -1).mean(0)
+    alpha = (p * p).sum(-1, keepdim=True).clamp(lo, hi)
+    mix = alpha * p + (1 - alpha) * q
+    return -torch.log(mix.gather(-1, y[..., None])).mean()
+
+
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_mixture_loss_and_gradient_match_float64(scale):
+    cfg = tiny_model_cfg()
+    cfg.branch.enabled = True
+    torch.manual_seed(3)
+    pl = (torch.randn(4, 6, 97) * scale).requires_grad_()
+    bl = (torch.randn(2, 4, 6, 97) * scale).requires_grad_()
+    y = torch.randint(0, 97, (4, 6))
+    loss = -mixture_log_probs(pl, bl, cfg).gather(-1, y[..., None]).mean()
+    loss.backward()
+    pl64 = pl.detach().double().requires_grad_()
+    bl64 = bl.detach().double().requires_grad_()
+    ref = _mixture_reference(pl64, bl64, y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    torch.testing.assert_close(pl.grad.double(), pl64.grad, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(bl.grad.double(), bl64.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_mixture_is_finite_when_alpha_saturates():
+    cfg = tiny_model_cfg()
+    cfg.branch.enabled = True
+    pl = torch.full((1, 1, 97), -60.0)
+    pl[..., 5] = 60.0  # p is one-hot: alpha = 1 and log(1 - alpha) would be -inf
+    pl.requires_grad_()
+    bl = torch.randn(1, 1, 1, 97, requires_grad=True)
+    lp = mixture_log_probs(pl, bl, cfg)
+    loss = -lp[..., 7].sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(pl.grad).all() and torch.isfinite(bl.grad).all()
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(1, 1))
+
+
+def test_detach_alpha_changes_only_the_gradient():
+    torch.manual_seed(4)
+    pl = (torch.randn(2, 3, 97) * 6).requires_grad_()  # peaked: alpha inside (0.5, 1), not clamped
+    bl = torch.randn(1, 2, 3, 97, requires_grad=True)
+    y = torch.randint(0, 97, (2, 3))
+    grads, values = [], []
+    for detach in (False, True):
+        cfg = tiny_model_cfg()
+        cfg.branch.enabled, cfg.branch.detach_alpha = True, detach
+        loss = -mixture_log_probs(pl, bl, cfg).gather(-1, y[..., None]).mean()
+        values.append(loss.item())
+        grads.append(torch.autograd.grad(loss, pl)[0])
+    assert values[0] == values[1]
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_training_reduces_mixture_loss_and_moves_coupling():
+    torch.manual_seed(5)
+    cfg = tiny_model_cfg()
+    cfg.branch.enabled = True
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randint(0, 97, (4, 24))
+    first = None
+    for _ in range(30):
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first - 0.5
+    assert model.layers[0].couple_q.a.abs().max() > 0
+
+
+def test_ablation_ladder_configs():
+    ladder = [make_config("tiny", [CONFIGS / f]).model.branch
+              for f in ("1_minimal.yaml", "2_coupling.yaml", "3_mixture.yaml")]
+    assert [(b.enabled, b.coupling, b.readout) for b in ladder] == [
+        (True, False, "branch"), (True, True, "branch"), (True, True, "mixture")]
+    minimal = build_model(make_config("tiny", [CONFIGS / "1_minimal.yaml"]).model)
+    assert not any(".couple_" in n for n, _ in minimal.named_parameters())
+
+
+def test_accounting_against_baseline():
+    cfg = make_config("tiny", overrides=["model.branch.enabled=true"]).model
+    base = make_config("tiny").model
+    c, b = costs(cfg, 512), costs(base, 512)
+    assert c["prefill_flops_per_token"] == b["prefill_flops_per_token"]
+    assert 1.8 < c["decode_flops_per_token"] / b["decode_flops_per_token"] < 2.0
+    assert 1.8 < c["train_flops_per_token"] / b["train_flops_per_token"] < 2.0
+    d, L = cfg.d_model, cfg.n_layers
+    extra = cfg.vocab_size * d + L * (cfg.n_heads * cfg.dim_per_head + cfg.hidden + d)
+    assert c["params_total"] - b["params_total"] == extra == c["params_branch_extra"]
+    assert c["params_active"] == b["params_active"]
+    assert c["kv_bytes_per_token"] == b["kv_bytes_per_token"]
+    # decode reads the same weights and KV; the coupling vectors and one more embedding row are
+    # the only extra bytes
+    assert c["decode_bytes_per_step"] - b["decode_bytes_per_step"] == 2 * (L * (cfg.n_heads * cfg.dim_per_head
+                                                                                + cfg.hidden + d) + d)
+    assert c["decode_bytes_per_step"] / b["decode_bytes_per_step"] < 1.005

@@ -1,0 +1,83 @@
+"""The trainer: learning, exact resume, divergence handling, schedules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from archlab.config import make_config
+from archlab.errors import CheckpointError, TrainingDiverged
+from archlab.train import trainer as trainer_mod
+from archlab.train.trainer import lr_at, train
+from tests.conftest import small_config
+
+
+def _losses(run_dir):
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]
+
+
+def test_resume_reproduces_uninterrupted_run_exactly(stdlib_data, tmp_path):
+    extra = ("train.steps=8", "train.ckpt_every=4", "train.eval_every=4", "train.log_every=1")
+    cfg = small_config(stdlib_data, *extra)
+    full = train(cfg, tmp_path / "full", show_progress=False)
+    first = train(cfg, tmp_path / "split", stop_after_steps=4, show_progress=False)
+    assert first.steps == 4
+    # metrics written after the checkpoint (an interrupted run's tail) are dropped on resume
+    second = train(cfg, tmp_path / "split", show_progress=False)
+    assert second.steps == 8
+    assert _losses(tmp_path / "full") == _losses(tmp_path / "split")
+    assert [v["loss"] for v in full.val_curve] == [v["loss"] for v in second.val_curve]
+
+
+def test_resume_with_a_different_config_is_refused(stdlib_data, tmp_path):
+    train(small_config(stdlib_data, "train.steps=2"), tmp_path / "r", show_progress=False)
+    before = sorted(p.name for p in (tmp_path / "r" / "ckpt").iterdir())
+    with pytest.raises(CheckpointError, match="different config"):
+        train(small_config(stdlib_data, "train.steps=2", "train.lr=0.01"), tmp_path / "r", show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "r" / "ckpt").iterdir()) == before
+
+
+def test_tiny_preset_learns_well_below_unigram_entropy(stdlib_data, tmp_path):
+    """The tiny preset's own budget (steps, batch, sequence) on real Python source."""
+    cfg = make_config("tiny", overrides=[f"data.path={stdlib_data}", "model.vocab_size=512"])
+    res = train(cfg, tmp_path / "tiny", show_progress=False)
+    val = np.fromfile(stdlib_data / "val_000.bin", dtype=np.uint16)
+    counts = np.bincount(val, minlength=512).astype(float)
+    p = counts[counts > 0] / counts.sum()
+    unigram = float(-(p * np.log(p)).sum())
+    assert res.steps == cfg.train.steps
+    assert res.final_val_loss < unigram - 1.0, (res.final_val_loss, unigram)
+    assert math.isfinite(res.final_val_bpb) and res.final_val_bpb > 0
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(stdlib_data, tmp_path, monkeypatch):
+    real = trainer_mod.Run.train_step
+
+    def poisoned(self, step):
+        loss = real(self, step)
+        return float("nan") if step == 4 else loss
+
+    monkeypatch.setattr(trainer_mod.Run, "train_step", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(TrainingDiverged, match="step 4"):
+        train(small_config(stdlib_data, "train.steps=8", "train.ckpt_every=2"), out, show_progress=False)
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_0000004"
+    assert not (out / "ckpt" / "step_0000005").exists()
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_schedules(schedule):
+    tc = make_config("tiny", overrides=[f"train.schedule={schedule}", "train.steps=100", "train.warmup_steps=10",
+                                        "train.lr=1.0", "train.min_lr_ratio=0.1", "train.decay_frac=0.2"]).train
+    lrs = [lr_at(s, tc) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    if schedule == "constant":
+        assert lrs[-1] == 1.0
+    elif schedule == "cosine":
+        assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    else:  # stable until the last 20% of steps, then linear decay to the floor
+        assert lrs[79] == 1.0 and lrs[80] == 1.0 and lrs[99] == pytest.approx(0.1 + 0.9 / 20)
