@@ -1,0 +1,309 @@
+"""``prepare``: a corpus in, a directory of token shards, a tokenizer and a manifest out.
+
+The corpus is read three times, so that memory stays bounded by one encoding batch whatever its
+size: a scan decides the train/val split of every document, a second pass trains the tokenizer on
+the train documents only (validation text stays unseen), and a third encodes every document and
+appends it, followed by ``<|endoftext|>``, to the shards of its split.
+
+Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
+
+    manifest.json     what was prepared, from what, how it was split, shard sizes and hashes
+    tokenizer.json    the byte-level BPE (its sha256 is in the manifest)
+    train_000.bin ... raw little-endian uint16 (or uint32) token ids, read with np.memmap
+    val_000.bin ...
+    documents.jsonl   one line per document: split, offset in its split, tokens, bytes, name
+
+Everything is built in a hidden sibling directory and renamed into place at the end, so a crash
+or Ctrl-C never leaves a half-written data directory behind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from archlab.data.sources import Source, open_source
+from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
+from archlab.errors import DataError
+
+MANIFEST_FILE = "manifest.json"
+DOCUMENTS_FILE = "documents.jsonl"
+MANIFEST_FORMAT = "archlab-tokens"
+MANIFEST_VERSION = 1
+SPLITS = ("train", "val")
+# 100M tokens = 200 MB of uint16 per shard: large enough that few files exist, small enough to
+# copy or compress one at a time.
+DEFAULT_SHARD_TOKENS = 100_000_000
+# Documents are encoded in batches of about this many characters: big enough for encode_batch to
+# use every core, small enough to bound memory.
+_ENCODE_BATCH_CHARS = 4 << 20
+SPLIT_RULE = ("val if int(sha256(f'{seed}:{name}')[:16], 16) / 2**64 < val_frac, else train; "
+              "if a split would be empty, the document with the smallest (for val) or largest "
+              "(for train) hash moves into it")
+
+ProgressFn = Callable[[str, int, int | None], None]
+"""``progress(stage, done_bytes, total_bytes or None)``, called as each stage advances."""
+
+
+def prepare(
+    source: str,
+    out_dir: str | Path,
+    vocab_size: int = 4096,
+    fmt: str = "auto",
+    field: str = "text",
+    val_frac: float = 0.02,
+    max_bytes: int | None = None,
+    seed: int = 0,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    split: str = "train",
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Tokenize ``source`` into ``out_dir`` and return the manifest that was written.
+
+    ``source``/``fmt``/``field``/``split``/``max_bytes`` choose the corpus (see
+    :func:`archlab.data.sources.open_source`; ``max_bytes=None`` means 8 MB for ``stdlib`` and
+    everything otherwise, 0 means no limit). ``seed`` and ``val_frac`` decide the document-level
+    split. An ``out_dir`` that already holds prepared data is replaced only with
+    ``overwrite=True``; a non-empty directory that is not prepared data is never touched.
+    """
+    started = time.perf_counter()
+    _check_args(vocab_size, val_frac, seed, shard_tokens)
+    out = Path(out_dir)
+    _check_destination(out, overwrite)
+    src = open_source(source, fmt=fmt, field=field, split=split, max_bytes=max_bytes)
+    report = progress or (lambda stage, done, total: None)
+
+    plan = _scan(src, seed, val_frac, report)
+    tokenizer = train_bpe(
+        (text for name, text in _tracked(src, "training tokenizer", plan.total_bytes, report)
+         if plan.split_of(name) == "train"),
+        vocab_size,
+    )
+    actual_vocab = tokenizer.get_vocab_size()
+    dtype = np.dtype(np.uint16 if actual_vocab <= 1 << 16 else np.uint32)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stick to the final directory
+    writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+    try:
+        tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
+        with open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8") as index:
+            for batch in _batches(_tracked(src, "encoding", plan.total_bytes, report)):
+                encodings = tokenizer.encode_batch([text for _, text in batch])
+                for (name, text), enc in zip(batch, encodings, strict=True):
+                    writer = writers[plan.split_of(name)]
+                    ids = np.asarray([*enc.ids, EOS_ID], dtype=dtype)
+                    n_bytes = len(text.encode("utf-8"))
+                    index.write(json.dumps({"split": writer.split, "offset": writer.n_tokens,
+                                            "n_tokens": len(ids), "n_bytes": n_bytes,
+                                            "name": name}) + "\n")
+                    writer.add(ids, n_bytes)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "sources": [src.describe()],
+            "tokenizer": {"file": TOKENIZER_FILE, "sha256": tokenizer_sha, "kind": "byte-level BPE",
+                          "eos_token": EOS_TOKEN, "eos_id": EOS_ID},
+            "vocab_size": actual_vocab,
+            "vocab_size_requested": vocab_size,
+            "dtype": dtype.name,
+            "split": {"rule": SPLIT_RULE, "seed": seed, "val_frac": val_frac},
+            "splits": {s: w.close() for s, w in writers.items()},
+            "documents": DOCUMENTS_FILE,
+            "prepare_seconds": round(time.perf_counter() - started, 2),
+        }
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        _install(tmp, out)
+    except BaseException:
+        for writer in writers.values():
+            writer.discard()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_args(vocab_size: int, val_frac: float, seed: int, shard_tokens: int) -> None:
+    if not 0.0 < val_frac < 1.0:
+        raise DataError(f"val_frac (--val-frac) must be between 0 and 1 (exclusive), got {val_frac}")
+    if seed < 0:
+        raise DataError(f"the split seed (--seed) must be >= 0, got {seed}")
+    if shard_tokens <= 0:
+        raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
+    if vocab_size > 1 << 32:
+        raise DataError(f"vocab size {vocab_size} does not fit in uint32 token ids")
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    """Fail before any work if ``out`` cannot be (re)placed; never delete foreign files."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"output path {out} exists and is not a directory")
+    if (out / MANIFEST_FILE).is_file():
+        if not overwrite:
+            raise DataError(f"{out} already holds prepared data; pass --overwrite to replace it "
+                            "or choose another --out")
+        return
+    if any(out.iterdir()):
+        raise DataError(f"{out} exists, is not empty and holds no {MANIFEST_FILE} (it is not "
+                        "prepared data); refusing to replace it: choose another --out or empty it")
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` into place; an existing ``out`` is swapped out first.
+
+    Two renames on one file system: readers see either the old or the new directory complete
+    (for an instant neither), never a mixture.
+    """
+    if out.exists() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)  # rename(2) replaces an empty directory atomically
+
+
+# --------------------------------------------------------------------------------------------
+# The split
+# --------------------------------------------------------------------------------------------
+def split_hash(seed: int, name: str) -> float:
+    """A number in [0, 1) fixed by (seed, document name), independent of corpus order or size."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@dataclass
+class _SplitPlan:
+    """The split of every document: the hash rule plus the few documents moved to fill a split."""
+
+    seed: int
+    val_frac: float
+    total_bytes: int = 0
+    forced: dict[str, str] = field(default_factory=dict)
+
+    def split_of(self, name: str) -> str:
+        if name in self.forced:
+            return self.forced[name]
+        return "val" if split_hash(self.seed, name) < self.val_frac else "train"
+
+
+def _scan(src: Source, seed: int, val_frac: float, report: ProgressFn) -> _SplitPlan:
+    """Read the corpus once to size it and make sure both splits get at least one document."""
+    plan = _SplitPlan(seed, val_frac)
+    counts = {"train": 0, "val": 0}
+    lowest: tuple[float, str] | None = None
+    highest: tuple[float, str] | None = None
+    for name, text in src.documents():
+        u = split_hash(seed, name)
+        counts[plan.split_of(name)] += 1
+        lowest = min(lowest, (u, name)) if lowest else (u, name)
+        highest = max(highest, (u, name)) if highest else (u, name)
+        plan.total_bytes += len(text.encode("utf-8"))
+        report("reading", plan.total_bytes, None)
+    n_docs = counts["train"] + counts["val"]
+    if n_docs < 2 or lowest is None or highest is None:
+        raise DataError(f"data source {src.spec!r} ({src.path}) has {n_docs} non-empty "
+                        "document(s); at least 2 are needed (one for train, one for val)")
+    if counts["val"] == 0:
+        plan.forced[lowest[1]] = "val"
+    if counts["train"] == 0:
+        plan.forced[highest[1]] = "train"
+    return plan
+
+
+def _tracked(src: Source, stage: str, total: int, report: ProgressFn) -> Iterator[tuple[str, str]]:
+    done = 0
+    for name, text in src.documents():
+        yield name, text
+        done += len(text.encode("utf-8"))
+        report(stage, done, total)
+
+
+def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
+    batch: list[tuple[str, str]] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[1])
+        if size >= _ENCODE_BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# --------------------------------------------------------------------------------------------
+# Shards
+# --------------------------------------------------------------------------------------------
+class _ShardWriter:
+    """Appends token arrays to ``{split}_000.bin``, ``{split}_001.bin``, ... of ``shard_tokens``
+    tokens each (the last one shorter), hashing each shard as it is written."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.directory = directory
+        self.split = split
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.n_tokens = 0
+        self.n_bytes = 0
+        self.n_docs = 0
+        self.shards: list[dict[str, Any]] = []
+        self._file: BinaryIO | None = None
+        self._hash = hashlib.sha256()
+        self._in_shard = 0
+
+    def add(self, ids: np.ndarray, n_bytes: int) -> None:
+        self.n_docs += 1
+        self.n_bytes += n_bytes
+        while ids.size:
+            if self._file is None:
+                name = f"{self.split}_{len(self.shards):03d}.bin"
+                self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed per shard)
+                self.shards.append({"file": name})
+            take = ids[: self.shard_tokens - self._in_shard]
+            data = take.tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._in_shard += take.size
+            self.n_tokens += take.size
+            ids = ids[take.size:]
+            if self._in_shard == self.shard_tokens:
+                self._finish_shard()
+
+    def close(self) -> dict[str, Any]:
+        """Finish the last shard and return this split's manifest entry."""
+        if self._file is not None:
+            self._finish_shard()
+        return {"shards": self.shards, "n_docs": self.n_docs, "n_tokens": self.n_tokens,
+                "n_bytes": self.n_bytes}
+
+    def discard(self) -> None:
+        """Close an open shard without recording it (the caller deletes the directory)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _finish_shard(self) -> None:
+        assert self._file is not None
+        self._file.close()
+        self.shards[-1].update(n_tokens=self._in_shard, sha256=self._hash.hexdigest())
+        self._file, self._hash, self._in_shard = None, hashlib.sha256(), 0

@@ -1,0 +1,82 @@
+"""Byte-level BPE tokenizers trained locally with HF ``tokenizers``.
+
+Byte-level means every string is encodable and decodes back exactly (no unknown token), which
+matters because bits per byte is computed from token counts and UTF-8 byte counts of the same
+text. ``add_prefix_space=False`` keeps decoding an exact inverse of encoding. The single special
+token ``<|endoftext|>`` has id 0 and separates documents in the token stream. It is only ever
+inserted by id: the literal string in a document (this very file contains it) is encoded as
+ordinary text (``encode_special_tokens = True``), so id 0 inside the stream always means a real
+document boundary. ``tokenizer.json`` does not store that flag, hence ``load_tokenizer``.
+
+A tokenizer is identified by the sha256 of its ``tokenizer.json`` bytes: the manifest records it
+and the loader refuses a tokenizer file that no longer matches the tokens on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from archlab.errors import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_ID = 0
+TOKENIZER_FILE = "tokenizer.json"
+# 256 byte symbols plus the end-of-text token: the smallest vocabulary that can encode anything.
+MIN_VOCAB_SIZE = 257
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE on ``texts``; the same texts in the same order give the same file.
+
+    The vocabulary can end up smaller than ``vocab_size`` when the corpus has too few distinct
+    pairs to merge; callers should read the size back with ``get_vocab_size()``.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise DataError(f"vocab size must be at least {MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN}), "
+                        f"got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],  # first special token -> id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    if tokenizer.token_to_id(EOS_TOKEN) != EOS_ID:
+        raise RuntimeError(f"{EOS_TOKEN} did not get id {EOS_ID}")
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> str:
+    """Write ``tokenizer.json`` and return its sha256."""
+    tokenizer.save(str(path))
+    return file_sha256(path)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in chunks so large shards do not need to fit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a ``tokenizer.json``; a missing or unreadable file is the user's data problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"tokenizer file {p} does not exist")
+    try:
+        tokenizer = Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises plain Exception for any parse failure
+        raise DataError(f"tokenizer file {p} is not a valid tokenizers JSON file: {e}") from None
+    tokenizer.encode_special_tokens = True  # not stored in tokenizer.json; see module docstring
+    return tokenizer
