@@ -1,0 +1,355 @@
+"""Fused Triton kernels for multi-head depth routing (MHAR; ``heads=1`` is AttnRes).
+
+Routing is memory-bound: per position it reads ``N`` source rows of width ``d`` and does
+``O(N*d)`` arithmetic. Eager PyTorch reads and writes the ``[N, M, d]`` stack many times
+(casts, normalised keys, products, weighted values); these kernels read it the minimum number
+of times instead.
+
+Forward (``_route_fwd_kernel``): one program per block of ``BLOCK_M`` positions streams over
+the sources once. For each source it computes the full-row RMS, the per-head logits
+``(s . query*gain) / rms`` and folds the source into an online (streaming) softmax, as in flash
+attention, so that no logit has to be known in advance. It writes ``out`` and the routing
+weights ``alpha`` [N, M, H] (fp32). Saved for backward: ``alpha`` plus the inputs; norms and
+logits are recomputed.
+
+Backward (``_route_bwd_kernel``), with ``n_i = s_i / r_i`` and ``qg = query * gain``::
+
+    dalpha_{i,h} = dout[h] . s_i[h]
+    D_h          = sum_i alpha_{i,h} dalpha_{i,h}
+    dlogit_{i,h} = alpha_{i,h} (dalpha_{i,h} - D_h)
+    ds_i[j]      = alpha_{i,h} dout[j]                                      (value path)
+                 + (dlogit_{i,h} qg[j] - n_i[j] * c_i) / r_i                (key path, RMSNorm)
+    c_i          = mean_j(dn_i[j] n_i[j]) = (1/d) sum_h dlogit_{i,h} logit_{i,h}
+    P[j]         = sum_{positions, i} dlogit_{i,h(j)} n_i[j]
+    dquery       = gain * P,   dgain = query * P
+
+``D_h`` needs every source before any ``ds_i`` can be written, so each program makes two passes
+over its sources (one for ``D``, one for ``ds``); that keeps the saved state to ``alpha`` alone
+and ``D`` exact in fp32 for any input dtype. All arithmetic is fp32; ``ds`` is cast to the
+source dtype only when stored.
+
+``P`` is a reduction over all positions. Atomics would make it run-to-run nondeterministic, so
+it is done in two fixed-order stages: a fixed number of persistent backward programs each write
+their partial ``P`` to a ``[G, d]`` buffer, and ``_reduce_partials_kernel`` sums that buffer
+over ``G`` in a fixed order. For a given shape and device the gradients are bitwise reproducible.
+
+Layout: a row of width ``d`` is held as a ``[BLOCK_H, BLOCK_DH]`` tile (heads x columns within a
+head, both padded to powers of two and masked), so per-head sums are plain reductions over the
+last axis and any ``d = H * (d/H)`` works, power of two or not.
+
+The kernels run on CUDA and, for tests, in Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+Triton reads that variable when ``@triton.jit`` decorates a function, and its own helpers
+(``tl.sum``...) are decorated when ``triton`` is first imported, so it must be set before
+``triton`` is imported at all (tests/kernels/conftest.py arranges that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from archlab.kernels.routing_reference import validate_route_args
+
+
+@triton.jit
+def _route_fwd_kernel(
+    src_ptr, query_ptr, gain_ptr, out_ptr, w_ptr,
+    N, M, D, H, DH,
+    stride_sn, stride_sm, stride_om, stride_wn,
+    eps,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+):
+    """One program routes ``BLOCK_M`` positions; ``w_ptr`` receives alpha [N, M, H] (fp32)."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_DH)
+    col = offs_h[:, None] * DH + offs_j[None, :]  # [BH, BDH] column within the row
+    col_mask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
+    m_mask = offs_m < M
+    mask = m_mask[:, None, None] & col_mask[None, :, :]
+    qg = (tl.load(query_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+          * tl.load(gain_ptr + col, mask=col_mask, other=0.0).to(tl.float32))
+    rows = offs_m.to(tl.int64)
+    src_off = rows[:, None, None] * stride_sm + col[None, :, :]
+    w_off = rows[:, None] * H + offs_h[None, :]  # [BM, BH] into one source's [M, H] slab
+    w_mask = m_mask[:, None] & (offs_h[None, :] < H)
+
+    run_max = tl.full((BLOCK_M, BLOCK_H), float("-inf"), tl.float32)
+    run_sum = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_DH), tl.float32)
+    w_i = w_ptr
+    s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
+    for i in range(N):
+        # Prefetch source i+1 while source i is processed (one load in flight per program is
+        # too little to keep HBM busy). The last iteration re-reads source N-1, a cache hit,
+        # rather than branching or masking on i.
+        s = s_next.to(tl.float32)
+        nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
+        s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)  # [BM]
+        logit = tl.sum(s * qg[None, :, :], axis=2) * inv_rms[:, None]  # [BM, BH]
+        tl.store(w_i + w_off, logit, mask=w_mask)  # raw logits; normalised below
+        new_max = tl.maximum(run_max, logit)
+        scale = tl.exp(run_max - new_max)
+        p = tl.exp(logit - new_max)
+        run_sum = run_sum * scale + p
+        acc = acc * scale[:, :, None] + p[:, :, None] * s
+        run_max = new_max
+        w_i += stride_wn
+
+    out = acc / run_sum[:, :, None]
+    out_off = rows[:, None, None] * stride_om + col[None, :, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # Turn this program's logits into weights. The barrier makes the stores above visible to
+    # every thread of the program, whichever thread the loads below land on.
+    tl.debug_barrier()
+    lse = run_max + tl.log(run_sum)
+    w_i = w_ptr
+    for _ in range(N):
+        logit = tl.load(w_i + w_off, mask=w_mask, other=0.0)
+        tl.store(w_i + w_off, tl.exp(logit - lse), mask=w_mask)
+        w_i += stride_wn
+
+
+@triton.jit
+def _route_bwd_kernel(
+    src_ptr, query_ptr, gain_ptr, dout_ptr, w_ptr, dsrc_ptr, part_ptr,
+    N, M, D, H, DH, BLOCKS_PER_PROG,
+    stride_sn, stride_sm, stride_dom, stride_dsn, stride_dsm, stride_wn,
+    eps,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+):
+    """Persistent program: ``BLOCKS_PER_PROG`` consecutive position blocks, two passes each.
+
+    Writes ``dsources`` and this program's partial ``P`` (row ``pid`` of ``part_ptr`` [G, d]).
+    """
+    pid = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_DH)
+    col = offs_h[:, None] * DH + offs_j[None, :]
+    col_mask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
+    qg = (tl.load(query_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+          * tl.load(gain_ptr + col, mask=col_mask, other=0.0).to(tl.float32))
+    p_acc = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_DH), tl.float32)
+
+    for blk in range(BLOCKS_PER_PROG):
+        offs_m = (pid * BLOCKS_PER_PROG + blk) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        mask = m_mask[:, None, None] & col_mask[None, :, :]
+        rows = offs_m.to(tl.int64)
+        src_off = rows[:, None, None] * stride_sm + col[None, :, :]
+        dsrc_off = rows[:, None, None] * stride_dsm + col[None, :, :]
+        w_off = rows[:, None] * H + offs_h[None, :]
+        w_mask = m_mask[:, None] & (offs_h[None, :] < H)
+        dout = tl.load(dout_ptr + rows[:, None, None] * stride_dom + col[None, :, :],
+                       mask=mask, other=0.0).to(tl.float32)
+
+        # Pass 1: D_h = sum_i alpha_{i,h} (dout[h] . s_i[h]).
+        # Both passes prefetch source i+1 and its weights, as the forward does.
+        delta = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+        s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
+        alpha_next = tl.load(w_ptr + w_off, mask=w_mask, other=0.0)
+        for i in range(N):
+            s = s_next.to(tl.float32)
+            alpha = alpha_next
+            nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
+            s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
+            alpha_next = tl.load(w_ptr + nxt * stride_wn + w_off, mask=w_mask, other=0.0)
+            delta += alpha * tl.sum(dout * s, axis=2)
+
+        # Pass 2: recompute the norms and write ds_i; accumulate P.
+        dsrc_i = dsrc_ptr
+        s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
+        alpha_next = tl.load(w_ptr + w_off, mask=w_mask, other=0.0)
+        for i in range(N):
+            s = s_next.to(tl.float32)
+            alpha = alpha_next
+            nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
+            s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
+            alpha_next = tl.load(w_ptr + nxt * stride_wn + w_off, mask=w_mask, other=0.0)
+            inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)
+            normed = s * inv_rms[:, None, None]
+            logit = tl.sum(normed * qg[None, :, :], axis=2)
+            dlogit = alpha * (tl.sum(dout * s, axis=2) - delta)  # [BM, BH]
+            c = tl.sum(dlogit * logit, axis=1) / D  # [BM]
+            ds = (alpha[:, :, None] * dout
+                  + inv_rms[:, None, None] * (dlogit[:, :, None] * qg[None, :, :]
+                                              - normed * c[:, None, None]))
+            tl.store(dsrc_i + dsrc_off, ds.to(dsrc_ptr.dtype.element_ty), mask=mask)
+            p_acc += dlogit[:, :, None] * normed
+            dsrc_i += stride_dsn
+
+    tl.store(part_ptr + pid.to(tl.int64) * D + col, tl.sum(p_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _reduce_partials_kernel(
+    part_ptr, query_ptr, gain_ptr, dquery_ptr, dgain_ptr, G, D,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Stage 2: ``P = sum_g part[g]`` in a fixed order; ``dquery = gain*P``, ``dgain = query*P``."""
+    offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        offs_g = g0 + tl.arange(0, BLOCK_G)
+        ptrs = part_ptr + offs_g.to(tl.int64)[:, None] * D + offs_d[None, :]
+        acc += tl.load(ptrs, mask=(offs_g[:, None] < G) & d_mask[None, :], other=0.0)
+    total = tl.sum(acc, axis=0)
+    query = tl.load(query_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    gain = tl.load(gain_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    tl.store(dquery_ptr + offs_d, gain * total, mask=d_mask)
+    tl.store(dgain_ptr + offs_d, query * total, mask=d_mask)
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Tile shape for one routing call; see ``_tiles`` for how it is chosen."""
+
+    block_m: int
+    block_h: int
+    block_dh: int
+    num_warps: int
+
+
+def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
+    """Pick the tile: full padded rows, ``BLOCK_M`` rows per program, few warps.
+
+    Measured on an H200 (d = 768..2048, bf16 and fp32): small programs (one row of about 1K
+    padded columns, two warps, so 16-32 elements per thread) beat larger ones in both passes,
+    because many resident programs keep more loads in flight than a few wide ones whose
+    cross-warp reductions stall every step. Narrow rows are packed up to about 1K elements. In
+    the CPU interpreter every program runs in turn in Python, so fewer, larger programs are
+    faster there.
+    """
+    block_h = triton.next_power_of_2(heads)
+    block_dh = triton.next_power_of_2(d // heads)
+    block_d = block_h * block_dh
+    if device.type == "cuda":
+        block_m = max(1, 1024 // block_d)
+        num_warps = 2 if block_m * block_d <= 2048 else 4
+    else:
+        block_m = min(8, triton.next_power_of_2(max(m, 1)))
+        num_warps = 1
+    return _Tiles(block_m, block_h, block_dh, num_warps)
+
+
+def _backward_programs(n_blocks: int, device: torch.device) -> int:
+    """Number ``G`` of persistent backward programs (rows of the partial-sum buffer).
+
+    Enough to fill the GPU a few times over, but far fewer than the position blocks, so that the
+    ``[G, d]`` partial buffer and its reduction stay small next to the sources.
+    """
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_blocks, 8 * sms))
+    return max(1, min(n_blocks, 4))  # at least one: it writes the (zero) partial sum
+
+
+def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Make ``t``'s GPU current: Triton launches on the current device, not the tensors'."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns ``out`` [M, d] (source dtype) and ``alpha`` [N, M, H]."""
+    n, m, d = sources.shape
+    t = _tiles(m, d, heads, sources.device)
+    out = torch.empty((m, d), dtype=sources.dtype, device=sources.device)
+    weights = torch.empty((n, m, heads), dtype=torch.float32, device=sources.device)
+    if m == 0:  # no positions, nothing to launch
+        return out, weights
+    with _device_guard(sources):
+        _route_fwd_kernel[(triton.cdiv(m, t.block_m),)](
+            sources, query, gain, out, weights,
+            n, m, d, heads, d // heads,
+            sources.stride(0), sources.stride(1), out.stride(0), weights.stride(0),
+            eps,
+            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.num_warps,
+        )
+    return out, weights
+
+
+def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
+                    weights: torch.Tensor, dout: torch.Tensor, heads: int, eps: float,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch both backward stages; returns ``(dsources, dquery, dgain)`` in the input dtypes.
+
+    ``weights`` is alpha as ``_route_forward`` returned it (contiguous [N, M, H] fp32) and
+    ``dout`` must have unit stride over ``d``. Besides ``_RouteFunction``, the model's buffered
+    routing (``archlab.model.attnres``) calls this directly, so keep the signature stable.
+    """
+    n, m, d = sources.shape
+    t = _tiles(m, d, heads, sources.device)
+    n_blocks = triton.cdiv(m, t.block_m)
+    programs = _backward_programs(n_blocks, sources.device)
+    dsources = torch.empty_like(sources, memory_format=torch.contiguous_format)
+    partials = torch.empty((programs, d), dtype=torch.float32, device=sources.device)
+    dquery = torch.empty(d, dtype=torch.float32, device=sources.device)
+    dgain = torch.empty(d, dtype=torch.float32, device=sources.device)
+    block_d = min(128, triton.next_power_of_2(d))
+    with _device_guard(sources):
+        _route_bwd_kernel[(programs,)](
+            sources, query, gain, dout, weights, dsources, partials,
+            n, m, d, heads, d // heads, triton.cdiv(n_blocks, programs),
+            sources.stride(0), sources.stride(1), dout.stride(0), dsources.stride(0),
+            dsources.stride(1), weights.stride(0),
+            eps,
+            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.num_warps,
+        )
+        _reduce_partials_kernel[(triton.cdiv(d, block_d),)](
+            partials, query, gain, dquery, dgain, programs, d, BLOCK_G=32, BLOCK_D=block_d,
+        )
+    return dsources, dquery.to(query.dtype), dgain.to(gain.dtype)
+
+
+class _RouteFunction(torch.autograd.Function):
+    """Autograd wrapper: saves the inputs and alpha; the backward recomputes the norms."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, sources: torch.Tensor,
+                query: torch.Tensor, gain: torch.Tensor, heads: int, eps: float,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, weights = _route_forward(sources, query, gain, heads, eps)
+        ctx.save_for_backward(sources, query, gain, weights)
+        ctx.heads = heads
+        ctx.eps = eps
+        ctx.mark_non_differentiable(weights)
+        return out, weights
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor,
+                 _dweights: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        sources, query, gain, weights = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dsources, dquery, dgain = _route_backward(sources, query, gain, weights, dout, ctx.heads,
+                                                  ctx.eps)
+        return dsources, dquery, dgain, None, None
+
+
+def route_triton(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
+                 eps: float, return_weights: bool = False,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``route_reference``, computed by the fused kernels.
+
+    ``sources`` may be strided over N and M (``buf[:n]`` of a preallocated ``[N_max, M, d]``
+    buffer is used in place, no copy); only a non-unit stride over ``d`` forces a copy. The
+    returned weights are detached (they are diagnostics; no gradient flows through them).
+    """
+    validate_route_args(sources, query, gain, heads)
+    if sources.stride(-1) != 1:
+        sources = sources.contiguous()
+    out, weights = _RouteFunction.apply(sources, query.contiguous(), gain.contiguous(), heads,
+                                        float(eps))
+    if return_weights:
+        return out, weights
+    return out

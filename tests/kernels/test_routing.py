@@ -1,0 +1,287 @@
+"""Depth routing (AttnRes / MHAR): reference, compiled and Triton implementations agree.
+
+Ground truth is a float64 loop written independently of the library code (per head, per
+source). The reference is checked against it; the compiled and Triton versions against the
+reference. Triton runs in its CPU interpreter (conftest.py says how that is arranged). Inputs
+are seeded random draws with non-zero query and non-unit gain: the models' zero-initialised
+query would make every routing weight 1/N and hide errors in the logits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archlab.errors import ConfigError
+from archlab.kernels.routing import available_impls, resolve_impl, route
+from archlab.kernels.routing_compiled import route_compiled, route_fused_math
+from archlab.kernels.routing_reference import route_reference
+
+EPS = 1e-6
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_inputs(n: int, m: int, d: int, seed: int, dtype: torch.dtype = torch.float32,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``sources`` [N, M, d], ``query``, ``gain`` [d] and an upstream gradient [M, d].
+
+    Sources get per-row scales so the RMS differs between rows (exercises the norm), the query
+    is large enough that the softmax is far from uniform.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(n, m, 1, generator=gen) * 2 + 0.2
+    sources = (torch.randn(n, m, d, generator=gen) * scale).to(dtype)
+    query = torch.randn(d, generator=gen) * 0.5
+    gain = 1 + 0.3 * torch.randn(d, generator=gen)
+    dout = torch.randn(m, d, generator=gen)
+    return sources, query, gain, dout
+
+
+def loop_route_f64(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent float64 routing: explicit loops over heads and sources; ``(out, alpha)``."""
+    s, q, g = sources.double(), query.double(), gain.double()
+    n, m, d = s.shape
+    width = d // heads
+    out = torch.zeros(m, d, dtype=torch.float64)
+    alpha = torch.zeros(n, m, heads, dtype=torch.float64)
+    for h in range(heads):
+        cols = slice(h * width, (h + 1) * width)
+        logits = []
+        for i in range(n):
+            rms = torch.sqrt((s[i] ** 2).mean(dim=1, keepdim=True) + eps)  # full-width RMS
+            key = (s[i] / rms * g)[:, cols]
+            logits.append(key @ q[cols])
+        logit = torch.stack(logits)  # [N, M]
+        e = torch.exp(logit - logit.max(dim=0).values)
+        a = e / e.sum(dim=0)
+        for i in range(n):
+            out[:, cols] += a[i][:, None] * s[i][:, cols]
+        alpha[:, :, h] = a
+    return out, alpha
+
+
+def grads(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], sources: torch.Tensor,
+          query: torch.Tensor, gain: torch.Tensor, heads: int, dout: torch.Tensor,
+          ) -> tuple[torch.Tensor, ...]:
+    """``(out, alpha, dsources, dquery, dgain)`` of ``fn`` for the upstream gradient ``dout``."""
+    s = sources.detach().clone().requires_grad_()
+    q = query.detach().clone().requires_grad_()
+    g = gain.detach().clone().requires_grad_()
+    out, alpha = fn(s, q, g, heads, EPS, return_weights=True)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), alpha.detach(), s.grad, q.grad, g.grad
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,m,d,heads", [(1, 4, 16, 1), (3, 6, 48, 4), (7, 5, 64, 8),
+                                         (5, 3, 24, 3)])
+def test_reference_matches_float64_loops(n: int, m: int, d: int, heads: int) -> None:
+    sources, query, gain, _ = make_inputs(n, m, d, seed=n * 100 + d + heads)
+    want_out, want_alpha = loop_route_f64(sources, query, gain, heads, EPS)
+    out, alpha = route_reference(sources, query, gain, heads, EPS, return_weights=True)
+    assert out.dtype == torch.float32 and alpha.dtype == torch.float32
+    assert alpha.shape == (n, sources.shape[1], heads)
+    assert rel_err(out, want_out) < 1e-6
+    assert rel_err(alpha, want_alpha) < 1e-6
+    out64, alpha64 = route_reference(sources.double(), query.double(), gain.double(), heads, EPS,
+                                     return_weights=True)
+    assert rel_err(out64, want_out) < 1e-13
+    assert rel_err(alpha64, want_alpha) < 1e-13
+
+
+def test_reference_gradcheck() -> None:
+    sources, query, gain, _ = make_inputs(3, 4, 12, seed=7)
+    inputs = tuple(x.double().requires_grad_() for x in (sources, query, gain))
+    assert torch.autograd.gradcheck(lambda s, q, g: route_reference(s, q, g, 3, EPS), inputs)
+
+
+def test_single_head_is_attnres() -> None:
+    """H = 1 is exactly AttnRes: softmax over sources of w . RMSNorm(s_i), values the raw s_i."""
+    sources, query, gain, _ = make_inputs(5, 7, 32, seed=11)
+    keys = F.rms_norm(sources, (32,), weight=gain, eps=EPS)
+    alpha = torch.softmax(keys @ query, dim=0)  # [N, M]
+    want = (alpha[..., None] * sources).sum(dim=0)
+    assert rel_err(route_reference(sources, query, gain, 1, EPS), want) < 1e-6
+    assert rel_err(route_fused_math(sources, query, gain, 1, EPS)[0], want) < 1e-6
+    # and more heads is a different function once the query is not zero
+    assert rel_err(route_reference(sources, query, gain, 4, EPS), want) > 1e-3
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_zero_query_gives_the_mean(n: int) -> None:
+    """Zero-initialised queries make routing a plain average of the sources."""
+    sources, _, gain, _ = make_inputs(n, 6, 32, seed=n)
+    query = torch.zeros(32)
+    out, alpha = route_reference(sources, query, gain, 4, EPS, return_weights=True)
+    assert torch.equal(alpha, torch.full_like(alpha, 1.0 / n))
+    if n & (n - 1) == 0:  # 1/n exact: weighted sum and mean round identically
+        assert torch.equal(out, sources.mean(dim=0))
+    torch.testing.assert_close(out, sources.mean(dim=0), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_fail_clearly() -> None:
+    sources, query, gain, _ = make_inputs(2, 3, 12, seed=0)
+    with pytest.raises(ValueError, match="divisor"):
+        route_reference(sources, query, gain, 5, EPS)
+    with pytest.raises(ValueError, match=r"\[N, M, d\]"):
+        route_reference(sources[0], query, gain, 1, EPS)
+    with pytest.raises(ValueError, match="query and gain"):
+        route_reference(sources, query[:6], gain, 1, EPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile path
+# ----------------------------------------------------------------------------------------------
+def test_compile_body_matches_reference() -> None:
+    sources, query, gain, dout = make_inputs(6, 9, 48, seed=3)
+    got = grads(lambda *a, return_weights: route_fused_math(*a), sources, query, gain, 4, dout)
+    want = grads(route_reference, sources, query, gain, 4, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.compile
+def test_compiled_matches_reference() -> None:
+    """One small compile on CPU (Inductor's C++ backend), forward and backward."""
+    sources, query, gain, dout = make_inputs(5, 7, 48, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = grads(route_compiled, sources, query, gain, 4, dout)
+    assert not [w for w in caught if "depth routing" in str(w.message)], "compile fell back"
+    want = grads(route_reference, sources, query, gain, 4, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert rel_err(a, b) < 1e-5, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels (interpreted on CPU)
+# ----------------------------------------------------------------------------------------------
+TRITON_SHAPES = [(n, m, d, h) for n in (1, 3, 7) for m in (5, 33) for d, h in ((32, 1), (48, 4))]
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("n,m,d,heads", TRITON_SHAPES)
+def test_triton_matches_reference(routing_triton: ModuleType, n: int, m: int, d: int,
+                                  heads: int) -> None:
+    sources, query, gain, dout = make_inputs(n, m, d, seed=1000 * n + 10 * m + d + heads)
+    got = grads(routing_triton.route_triton, sources, query, gain, heads, dout)
+    want = grads(route_reference, sources, query, gain, heads, dout)
+    for name, a, b in zip(("out", "alpha", "dsources"), got, want):
+        assert a.dtype == b.dtype, name
+        assert rel_err(a, b) < 1e-5, name
+    for name, a, b in zip(("dquery", "dgain"), got[3:], want[3:]):
+        if n == 1:  # one source: alpha = 1 whatever the logits, so no gradient reaches them
+            assert torch.equal(a, torch.zeros_like(a)) and b.abs().max() < 1e-6, name
+        else:
+            assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.triton_interpret
+def test_triton_odd_widths_and_many_heads(routing_triton: ModuleType) -> None:
+    """Head width not a power of two (d/H = 5), H not a power of two, one position."""
+    for n, m, d, heads in ((4, 9, 15, 3), (3, 1, 40, 8), (5, 2, 64, 16)):
+        sources, query, gain, dout = make_inputs(n, m, d, seed=d)
+        got = grads(routing_triton.route_triton, sources, query, gain, heads, dout)
+        want = grads(route_reference, sources, query, gain, heads, dout)
+        for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+            assert rel_err(a, b) < 1e-5, (n, m, d, heads, name)
+
+
+@pytest.mark.triton_interpret
+def test_triton_no_positions(routing_triton: ModuleType) -> None:
+    sources, query, gain, _ = make_inputs(3, 0, 16, seed=0)
+    out, alpha, dsources, dquery, dgain = grads(routing_triton.route_triton, sources, query, gain,
+                                                2, torch.zeros(0, 16))
+    assert out.shape == (0, 16) and alpha.shape == (3, 0, 2) and dsources.shape == (3, 0, 16)
+    assert not dquery.any() and not dgain.any()
+
+
+@pytest.mark.triton_interpret
+def test_triton_strided_sources(routing_triton: ModuleType) -> None:
+    """``buf[:n]`` of a preallocated buffer, and a layout strided over N, are used in place."""
+    sources, query, gain, dout = make_inputs(9, 6, 32, seed=9)
+    want = grads(route_reference, sources[:5], query, gain, 4, dout)
+    buf = sources.clone()
+    got = grads(routing_triton.route_triton, buf[:5], query, gain, 4, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert rel_err(a, b) < 1e-5, name
+    position_major = sources[:5].transpose(0, 1).contiguous().transpose(0, 1)  # [N, M, d] view
+    assert not position_major.is_contiguous()
+    got = grads(routing_triton.route_triton, position_major, query, gain, 4, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.triton_interpret
+def test_triton_bf16_sources(routing_triton: ModuleType) -> None:
+    """bf16 sources, fp32 parameters: outputs keep each input's dtype, values match closely."""
+    sources, query, gain, dout = make_inputs(5, 33, 48, seed=16, dtype=torch.bfloat16)
+    got = grads(routing_triton.route_triton, sources, query, gain, 4, dout)
+    want = grads(route_reference, sources, query, gain, 4, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert a.dtype == b.dtype, name
+        assert rel_err(a, b) < 1e-2, name
+
+
+@pytest.mark.triton_interpret
+def test_triton_zero_query_gives_the_mean(routing_triton: ModuleType) -> None:
+    sources, _, gain, _ = make_inputs(4, 33, 48, seed=4)
+    out, alpha = routing_triton.route_triton(sources, torch.zeros(48), gain, 4, EPS,
+                                             return_weights=True)
+    assert torch.equal(alpha, torch.full_like(alpha, 0.25))
+    torch.testing.assert_close(out, sources.mean(dim=0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.triton_interpret
+def test_triton_backward_is_deterministic(routing_triton: ModuleType) -> None:
+    """query/gain gradients reduce over positions in fixed order: bitwise equal run to run."""
+    sources, query, gain, dout = make_inputs(7, 33, 48, seed=21)
+    first = grads(routing_triton.route_triton, sources, query, gain, 4, dout)
+    second = grads(routing_triton.route_triton, sources, query, gain, 4, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), first, second):
+        assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatcher
+# ----------------------------------------------------------------------------------------------
+def test_dispatcher_rejects_unknown_impl() -> None:
+    sources, query, gain, _ = make_inputs(2, 3, 8, seed=0)
+    with pytest.raises(ConfigError, match="unknown depth-routing impl 'cuda'"):
+        route(sources, query, gain, 1, EPS, impl="cuda")
+
+
+def test_dispatcher_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert resolve_impl("auto", cpu) == "reference"
+    assert "reference" in available_impls(cpu) and "triton" not in available_impls(cpu)
+    sources, query, gain, _ = make_inputs(3, 4, 16, seed=2)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        route(sources, query, gain, 2, EPS, impl="triton")
+    assert torch.equal(route(sources, query, gain, 2, EPS),
+                       route_reference(sources, query, gain, 2, EPS))
+
+
+@pytest.mark.triton_interpret
+def test_dispatcher_runs_triton_when_interpreting(routing_triton: ModuleType) -> None:
+    cpu = torch.device("cpu")
+    assert "triton" in available_impls(cpu)
+    assert resolve_impl("auto", cpu) == "reference"  # the interpreter is never picked implicitly
+    sources, query, gain, _ = make_inputs(3, 5, 16, seed=3)
+    out, alpha = route(sources, query, gain, 2, EPS, impl="triton", return_weights=True)
+    want_out, want_alpha = route_reference(sources, query, gain, 2, EPS, return_weights=True)
+    assert rel_err(out, want_out) < 1e-5 and rel_err(alpha, want_alpha) < 1e-5
