@@ -1,0 +1,488 @@
+"""Attention residuals over depth: AttnRes, Block AttnRes, MHAR and delta conversion (spec section 2).
+
+Two residual streams are registered here (see ``residual.py`` for the interface):
+
+``attnres``
+    Sources ``s_0`` = the token embedding and ``s_i`` = the raw output of sublayer ``i - 1``.
+    Sublayer ``l`` (site ``l`` in 0..2L-1) reads ``h_l = MHRoute_l(s_0 .. s_l)``, i.e. the embedding
+    and the outputs of every sublayer before it; the model output reads one more routing site
+    (index ``2L``) over all ``2L + 1`` sources, before the final norm.
+    *Block AttnRes* (``residual.blocks = N``, ``0 < N < 2L``): the ``2L`` sublayers are split into
+    ``N`` contiguous blocks and a read routes over ``b_0`` (the embedding), the completed block
+    sums ``b_1 .. b_j`` and the current block's partial sum when it is non-empty. ``N = 0`` or
+    ``N = 2L`` is full AttnRes (one block per sublayer, so the sources are exactly ``s_0 .. s_l``).
+
+``delta``
+    The identity-preserving conversion of a standard-residual model. The standard stream ``p``
+    is kept (``p <- p + out``) and sublayer ``l`` reads ``p + g_l * MHRoute_l(sources)`` where the
+    sources are a learnable null source (zero-initialised, ``[d]``) and one *delta* per group of
+    sublayers (``residual.delta_groups = G``, 0 means one group per transformer layer, ``G = L``).
+    A group delta is the **sum of that group's sublayer outputs**; the current group's partial sum
+    (the outputs of the group's sublayers before ``l``) is a source when it is non-empty, exactly
+    as Block AttnRes treats its current block. The final read has its own gate ``g_{2L}``.
+    All gates start at 0.0, and ``p + 0.0 * r`` is bitwise ``p`` for finite ``r`` (the routed
+    value is a convex mix of finite sources; RMSNorm's ``eps`` keeps the zero null source finite),
+    so a converted model computes the original function exactly at step 0.
+
+**Block split rule.** ``N`` blocks over ``S = 2L`` sublayers: block ``j`` holds the sites
+``floor(j*S/N) .. floor((j+1)*S/N) - 1``. When ``N`` divides ``S`` every block has ``S/N``
+sublayers; otherwise the sizes differ by at most one. Delta groups use the same rule.
+
+**Routing** (``archlab.kernels.routing.route``): per site a pseudo-query ``w`` (zeros) and an
+RMSNorm gain (ones), both ``[d]`` and 1-D (so weight-decay rules that skip vectors skip them).
+The norm is over the full width, then the query and normalised keys are cut into ``H =
+residual.heads`` slices: ``alpha^h_i = softmax_i(w[h] . RMSNorm(s_i)[h])`` and
+``h[h] = sum_i alpha^h_i s_i[h]``. ``H = 1`` is AttnRes. Zero queries give a plain average.
+
+**State and buffers.** Each row group (primary rows, decode-branch rows) gets its own
+``DepthState`` from ``start``; the module and its weights are shared. Routing is per position,
+over depth only, so cached decoding (``T = 1``) and branch-only steps need no extra cache.
+Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the device):
+
+* ``reference``: the sources are a Python list and each read ``torch.stack``s them. Plain
+  autograd through ``route``; the readable ground truth. Stacking costs ``O(n)`` copies per read,
+  and the eager reference saves its fp32 intermediates per read for backward.
+* ``compile`` / ``triton``: one preallocated ``[n_max, M, d]`` buffer per row group and forward;
+  each source is copied in once (a block's partial sum goes into the next free slot as scratch).
+  A read is ``_BufferedRoute``, a custom ``autograd.Function`` that runs the kernel on the view
+  ``buf[:n]`` without grad and saves only the query, gain, the routing weights and (block mode)
+  the partial sum; the buffer itself is *not* passed through ``save_for_backward`` (its slots
+  ``[:n]`` never change after they are written, which is what makes that safe; later writes to
+  other slots would otherwise trip autograd's version counter). Backward gets the source
+  gradients from the Triton backward kernel (``triton``) or by recomputing the route under
+  autograd on the buffer slice (``compile`` and, when forced, ``reference``), and hands each
+  source its slice. Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``. Inside a
+  ``torch.compile``d model the buffered read is a graph break (``torch.compiler.disable``); the
+  routing kernel itself still runs compiled or fused.
+
+**FLOPs** (``flops_per_token``; forward, per token, per row): a routing read over ``n`` sources
+counts ``7*n*d``: RMSNorm ``3*n*d`` (square-accumulate ``2nd``, scale ``nd``), logits ``2*n*d``
+(multiply-accumulate against ``query*gain``), weighted sum ``2*n*d``. The ``O(n*H)`` softmax and the
+``O(d)`` ``query*gain`` product are not counted (the accounting convention skips softmaxes).
+Block/group partial sums add ``d`` per sublayer output added to a non-empty partial sum; delta
+adds ``2*d`` per read for ``p + g*r``. The delta's own ``p <- p + out`` is the standard
+residual's add, which the standard residual counts as 0, so it is not counted either.
+
+**Diagnostics.** ``with stream.recording() as rec:`` collects, per (row group, site), the routing
+weights averaged over positions, per-position pairwise Jensen-Shannon divergences between heads
+and, with ``sources=True``, the sources and read values themselves (tests). No model copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from archlab.config import ModelConfig
+from archlab.kernels.routing import resolve_impl, route
+from archlab.model.residual import ResidualStream, register_residual
+
+
+# ---- block / group layout ---------------------------------------------------------------------
+def block_bounds(n_sites: int, n_blocks: int) -> list[int]:
+    """First site of each of ``n_blocks`` contiguous blocks over ``n_sites``, then ``n_sites``."""
+    if not 1 <= n_blocks <= n_sites:
+        raise ValueError(f"need 1 <= blocks <= {n_sites}, got {n_blocks}")
+    return [(j * n_sites) // n_blocks for j in range(n_blocks + 1)]
+
+
+def attnres_blocks(cfg: ModelConfig) -> int:
+    s = 2 * cfg.n_layers
+    return cfg.residual.blocks if 0 < cfg.residual.blocks < s else s
+
+
+def delta_groups(cfg: ModelConfig) -> int:
+    return cfg.residual.delta_groups or cfg.n_layers
+
+
+def read_source_counts(cfg: ModelConfig, n_blocks: int) -> list[int]:
+    """Number of sources of each of the ``2L + 1`` reads (sites 0..2L-1, then the final read)."""
+    s = 2 * cfg.n_layers
+    bounds = block_bounds(s, n_blocks)
+    counts = []
+    for j in range(n_blocks):
+        for site in range(bounds[j], bounds[j + 1]):
+            counts.append(1 + j + (site > bounds[j]))  # b_0, completed blocks, non-empty partial
+    counts.append(1 + n_blocks)
+    return counts
+
+
+def site_label(site: int, n_layers: int) -> str:
+    if site == 2 * n_layers:
+        return "final"
+    return f"L{site // 2}.{'attn' if site % 2 == 0 else 'mlp'}"
+
+
+# ---- recording --------------------------------------------------------------------------------
+def _js_bits(p: Tensor, q: Tensor) -> Tensor:
+    """Jensen-Shannon divergence (bits, in [0, 1]) between distributions over the last axis."""
+    m = 0.5 * (p + q)
+    kl_p = torch.xlogy(p, p).sum(-1) - torch.xlogy(p, m).sum(-1)
+    kl_q = torch.xlogy(q, q).sum(-1) - torch.xlogy(q, m).sum(-1)
+    return (0.5 * (kl_p + kl_q) / math.log(2.0)).clamp_min(0.0)
+
+
+def mean_pairwise_js(dists: Tensor) -> Tensor:
+    """Mean JS divergence (bits) over head pairs; ``dists`` [..., H, N] -> [...] (0 for H = 1)."""
+    h = dists.shape[-2]
+    if h < 2:
+        return dists.new_zeros(dists.shape[:-2])
+    total = dists.new_zeros(dists.shape[:-2])
+    for a in range(h):
+        for b in range(a + 1, h):
+            total = total + _js_bits(dists[..., a, :], dists[..., b, :])
+    return total / (h * (h - 1) / 2)
+
+
+@dataclass
+class SiteRecord:
+    """Routing statistics of one (row group, site), accumulated over recorded forwards."""
+
+    labels: list[str]
+    weight_sum: Tensor  # [N, H] fp64: sum over positions of alpha
+    positions: int = 0
+    js_sum: float = 0.0  # sum over positions of the mean pairwise JS between heads (bits)
+    #: with ``sources=True``: (sources [N, M, d], read [M, d], weights [N, M, H] fp32) per forward
+    captured: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
+
+    @property
+    def mean_weights(self) -> Tensor:
+        """[N, H] routing weights averaged over positions."""
+        return self.weight_sum / max(self.positions, 1)
+
+    @property
+    def js_per_position(self) -> float:
+        return self.js_sum / max(self.positions, 1)
+
+
+class RoutingRecorder:
+    """Collects routing weights (and optionally sources) during forwards; see ``recording``."""
+
+    def __init__(self, sources: bool = False) -> None:
+        self.sources = sources
+        self.records: dict[tuple[int, int], SiteRecord] = {}
+
+    def add(self, stream: int, site: int, labels: list[str], weights: Tensor,
+            sources: Tensor | None, read: Tensor | None) -> None:
+        w = weights.detach().float()  # [N, M, H]
+        rec = self.records.get((stream, site))
+        if rec is None:
+            rec = SiteRecord(labels=labels, weight_sum=torch.zeros(w.shape[0], w.shape[2], dtype=torch.float64))
+            self.records[(stream, site)] = rec
+        rec.weight_sum += w.sum(dim=1).double().cpu()
+        rec.positions += w.shape[1]
+        rec.js_sum += float(mean_pairwise_js(w.permute(1, 2, 0)).sum())
+        if self.sources and sources is not None and read is not None:
+            rec.captured.append((sources.detach().clone(), read.detach().clone(), w.clone()))
+
+
+# ---- the buffered routing op -----------------------------------------------------------------
+@dataclass
+class DepthState:
+    """The depth history of one row group in one forward."""
+
+    shape: torch.Size  # the group's activation shape [..., d]
+    dtype: torch.dtype  # dtype of the sources as stored (the embedding's)
+    done: list[Tensor]  # completed sources [M, d]: b_0 (embedding / null), completed blocks
+    partial: Tensor | None = None  # current block's (group's) partial sum [M, d]
+    buf: Tensor | None = None  # [n_max, M, d] preallocated source buffer (buffered path)
+    p: Tensor | None = None  # delta: the standard stream
+    impl: str = "reference"  # the resolved routing implementation
+    stream: int = 0  # index among the row groups of this forward (for recording)
+
+    @property
+    def rows(self) -> int:
+        return self.done[0].shape[0]
+
+
+def _triton_backward():
+    try:
+        from archlab.kernels.routing_triton import _route_backward
+    except ImportError:  # pragma: no cover - triton missing
+        return None
+    return _route_backward
+
+
+class _BufferedRoute(torch.autograd.Function):
+    """Route over ``state.buf[:n]`` (the completed sources, then the partial sum as scratch).
+
+    Inputs that carry gradients: ``query``, ``gain``, ``partial`` (or ``None``) and the completed
+    source tensors ``done`` whose values the buffer holds. The buffer is reached through the state
+    object, not saved as a tensor: its slots ``[:n_done]`` are never rewritten in this forward.
+    """
+
+    @staticmethod
+    def forward(ctx, state: DepthState, impl: str, heads: int, eps: float, query: Tensor, gain: Tensor,
+                partial: Tensor | None, *done: Tensor) -> tuple[Tensor, Tensor]:
+        buf = state.buf
+        n = len(done)
+        if partial is not None:
+            buf[n].copy_(partial)
+            n += 1
+        out, weights = route(buf[:n], query, gain, heads, eps, impl, return_weights=True)
+        weights = weights.detach()
+        ctx.buf = buf
+        ctx.n_done = len(done)
+        ctx.impl, ctx.heads, ctx.eps = impl, heads, eps
+        ctx.done_dtypes = [t.dtype for t in done]
+        ctx.has_partial = partial is not None
+        ctx.save_for_backward(query, gain, weights, partial if partial is not None else weights)
+        ctx.mark_non_differentiable(weights)
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _dweights: Tensor | None):
+        query, gain, weights, partial = ctx.saved_tensors
+        sources = ctx.buf[:ctx.n_done]
+        if ctx.has_partial:
+            sources = torch.cat([sources, partial.to(sources.dtype)[None]])
+        backward_kernel = _triton_backward() if ctx.impl == "triton" else None
+        if backward_kernel is not None:
+            dsources, dquery, dgain = backward_kernel(sources, query, gain, weights, dout.contiguous(),
+                                                      ctx.heads, ctx.eps)
+        else:
+            with torch.enable_grad():
+                s = sources.detach().requires_grad_(True)
+                q = query.detach().requires_grad_(True)
+                g = gain.detach().requires_grad_(True)
+                out = route(s, q, g, ctx.heads, ctx.eps, ctx.impl)
+                dsources, dquery, dgain = torch.autograd.grad(out, (s, q, g), dout)
+        dpartial = dsources[ctx.n_done].to(partial.dtype) if ctx.has_partial else None
+        ddone = [dsources[i].to(dt) for i, dt in enumerate(ctx.done_dtypes)]
+        return (None, None, None, None, dquery, dgain, dpartial, *ddone)
+
+
+@torch.compiler.disable
+def _buffered_route(state: DepthState, impl: str, heads: int, eps: float, query: Tensor,
+                    gain: Tensor) -> tuple[Tensor, Tensor]:
+    """``_BufferedRoute`` as an opaque step for a ``torch.compile``d model.
+
+    Dynamo would otherwise trace the in-place buffer writes and guard on the state (its number of
+    sources differs at every site), recompiling the calling frame per site until it hits its
+    recompile limit. As a graph break it costs one break per read; the kernel inside still runs
+    compiled (``compile``) or fused (``triton``).
+    """
+    return _BufferedRoute.apply(state, impl, heads, eps, query, gain, state.partial, *state.done)
+
+
+# ---- shared machinery -----------------------------------------------------------------------------
+class _DepthRouting(ResidualStream):
+    """Sources, blocks, routing sites and recording shared by ``attnres`` and ``delta``."""
+
+    first_label = "emb"
+    unit_label = "block"
+
+    def __init__(self, cfg: ModelConfig, n_blocks: int):
+        super().__init__()
+        self.d = cfg.d_model
+        self.n_layers = cfg.n_layers
+        self.n_sites = 2 * cfg.n_layers
+        self.heads = cfg.residual.heads
+        self.eps = cfg.norm_eps
+        self.impl = cfg.residual.impl
+        self.n_blocks = n_blocks
+        self.bounds = block_bounds(self.n_sites, n_blocks)
+        self.block_of = [j for j in range(n_blocks) for _ in range(self.bounds[j], self.bounds[j + 1])]
+        #: force the buffered (True) or list (False) source store; None: buffered unless the
+        #: resolved impl is ``reference``.
+        self.buffered: bool | None = None
+        self.recorder: RoutingRecorder | None = None
+        self._starts = 0  # row groups started in this forward (recording only)
+        n_reads = self.n_sites + 1
+        self.queries = nn.ParameterList(nn.Parameter(torch.zeros(self.d)) for _ in range(n_reads))
+        self.gains = nn.ParameterList(nn.Parameter(torch.ones(self.d)) for _ in range(n_reads))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Identity-style init regardless of ``std``: zero queries (uniform routing), unit gains."""
+        with torch.no_grad():
+            for q in self.queries:
+                q.zero_()
+            for g in self.gains:
+                g.fill_(1.0)
+
+    def extra_repr(self) -> str:
+        return (f"d={self.d}, sites={self.n_sites}+1, blocks={self.n_blocks}, heads={self.heads}, "
+                f"impl={self.impl}")
+
+    # ---- labels -----------------------------------------------------------------------------------
+    def _unit_name(self, j: int) -> str:
+        if self.n_blocks == self.n_sites:
+            return site_label(j, self.n_layers)
+        return f"{self.unit_label}{j + 1}"
+
+    def source_labels(self, site: int) -> list[str]:
+        """Names of the sources read at ``site`` (``2L`` = the final read), in routing order."""
+        if site == self.n_sites:
+            return [self.first_label] + [self._unit_name(j) for j in range(self.n_blocks)]
+        j = self.block_of[site]
+        labels = [self.first_label] + [self._unit_name(i) for i in range(j)]
+        if site > self.bounds[j]:
+            labels.append(f"{self.unit_label}{j + 1}.partial")
+        return labels
+
+    # ---- recording ---------------------------------------------------------------------------------
+    @contextmanager
+    def recording(self, sources: bool = False) -> Iterator[RoutingRecorder]:
+        """Collect routing weights (and with ``sources`` the sources and reads) of every read."""
+        rec = RoutingRecorder(sources=sources)
+        previous, self.recorder = self.recorder, rec
+        try:
+            yield rec
+        finally:
+            self.recorder = previous
+
+    # ---- state ------------------------------------------------------------------------------------
+    def _use_buffer(self, device: torch.device) -> tuple[str, bool]:
+        impl = resolve_impl(self.impl, device)
+        buffered = self.buffered if self.buffered is not None else impl != "reference"
+        return impl, buffered
+
+    def _new_state(self, x0: Tensor, first: Tensor) -> DepthState:
+        """A state whose first source is ``first`` [M, d]."""
+        impl, buffered = self._use_buffer(x0.device)
+        state = DepthState(shape=x0.shape, dtype=x0.dtype, done=[], impl=impl)
+        if buffered:
+            state.buf = torch.empty(self.n_blocks + 1, first.shape[0], self.d, dtype=x0.dtype, device=x0.device)
+        if self.recorder is not None:
+            # The model starts every row group before its first read: number them in order.
+            state.stream = self._starts
+            self._starts += 1
+        self._complete(state, first)
+        return state
+
+    def _complete(self, state: DepthState, src: Tensor) -> None:
+        if state.buf is not None:
+            with torch.no_grad():
+                state.buf[len(state.done)].copy_(src)
+        state.done.append(src)
+
+    def _accumulate(self, state: DepthState, site: int, out: Tensor) -> None:
+        """Add sublayer ``site``'s output to its block; a finished block becomes a source."""
+        o = out.reshape(state.rows, self.d)
+        j = self.block_of[site]
+        if self.n_blocks == self.n_sites:  # full: the raw output is the source
+            self._complete(state, o)
+            return
+        o = o.to(state.dtype)
+        state.partial = o if site == self.bounds[j] else state.partial + o
+        if site == self.bounds[j + 1] - 1:
+            self._complete(state, state.partial)
+            state.partial = None
+
+    def _route(self, state: DepthState, site: int) -> Tensor:
+        """The routed value [M, d] at read ``site`` (``2L`` = final) in the state's dtype."""
+        query, gain = self.queries[site], self.gains[site]
+        impl = state.impl
+        want = self.recorder is not None
+        if want:
+            self._starts = 0  # the next start belongs to the next forward
+        if state.buf is not None:
+            out, weights = _buffered_route(state, impl, self.heads, self.eps, query, gain)
+            n = len(state.done) + (state.partial is not None)
+            sources = state.buf[:n] if want else None
+        else:
+            srcs = state.done + ([state.partial] if state.partial is not None else [])
+            sources = torch.stack([s.to(state.dtype) for s in srcs])
+            if want:
+                out, weights = route(sources, query, gain, self.heads, self.eps, impl, return_weights=True)
+            else:
+                out, weights = route(sources, query, gain, self.heads, self.eps, impl), None
+        if want:
+            self.recorder.add(state.stream, site, self.source_labels(site), weights, sources, out)
+        return out
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    @staticmethod
+    def _read_flops(cfg: ModelConfig, n_blocks: int) -> int:
+        d = cfg.d_model
+        s = 2 * cfg.n_layers
+        flops = sum(7 * n * d for n in read_source_counts(cfg, n_blocks))
+        if n_blocks < s:  # partial sums: every output but each block's first is an add
+            flops += (s - n_blocks) * d
+        return flops
+
+
+@register_residual("attnres")
+class AttnResResidual(_DepthRouting):
+    """Full / block AttnRes with ``heads`` routing heads (MHAR); see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, attnres_blocks(cfg))
+
+    def start(self, x0: Tensor) -> DepthState:
+        return self._new_state(x0, x0.reshape(-1, x0.shape[-1]))
+
+    def read(self, state: DepthState, site: int) -> Tensor:
+        return self._route(state, site).view(state.shape)
+
+    def write(self, state: DepthState, site: int, out: Tensor) -> DepthState:
+        self._accumulate(state, site, out)
+        return state
+
+    def final(self, state: DepthState) -> Tensor:
+        return self._route(state, self.n_sites).view(state.shape)
+
+    @staticmethod
+    def param_count(cfg: ModelConfig) -> int:
+        return (2 * cfg.n_layers + 1) * 2 * cfg.d_model
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig) -> int:
+        return _DepthRouting._read_flops(cfg, attnres_blocks(cfg))
+
+
+@register_residual("delta")
+class DeltaResidual(_DepthRouting):
+    """Standard stream plus a gated multi-head route over a null source and group deltas."""
+
+    first_label = "null"
+    unit_label = "group"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, delta_groups(cfg))
+        self.null = nn.Parameter(torch.zeros(self.d))
+        self.gates = nn.Parameter(torch.zeros(self.n_sites + 1))
+
+    def _unit_name(self, j: int) -> str:
+        return f"{self.unit_label}{j + 1}"
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        super().init_weights(std, out_std)
+        with torch.no_grad():
+            self.null.zero_()
+            self.gates.zero_()
+
+    def start(self, x0: Tensor) -> DepthState:
+        rows = x0.numel() // x0.shape[-1]
+        state = self._new_state(x0, self.null.to(x0.dtype).expand(rows, self.d))
+        state.p = x0
+        return state
+
+    def _gated(self, state: DepthState, site: int) -> Tensor:
+        r = self._route(state, site).view(state.shape)
+        return state.p + self.gates[site].to(r.dtype) * r
+
+    def read(self, state: DepthState, site: int) -> Tensor:
+        return self._gated(state, site)
+
+    def write(self, state: DepthState, site: int, out: Tensor) -> DepthState:
+        state.p = state.p + out
+        self._accumulate(state, site, out)
+        return state
+
+    def final(self, state: DepthState) -> Tensor:
+        return self._gated(state, self.n_sites)
+
+    @staticmethod
+    def param_count(cfg: ModelConfig) -> int:
+        return (2 * cfg.n_layers + 1) * (2 * cfg.d_model + 1) + cfg.d_model
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig) -> int:
+        reads = 2 * cfg.n_layers + 1
+        return _DepthRouting._read_flops(cfg, delta_groups(cfg)) + reads * 2 * cfg.d_model

@@ -1,0 +1,115 @@
+"""Checkpoint conversions between residual kinds.
+
+``to_delta_mhar`` turns a standard-residual model's weights into a ``delta`` model (spec section
+2, "Delta AttnRes"): every baseline tensor is copied unchanged and the new residual parameters
+(per-site zero queries, unit gains, zero gates, zero null source) take their identity init, so
+the converted model computes exactly the original function until training moves the gates.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from archlab.config import ModelConfig
+from archlab.errors import CheckpointError, ConfigError
+
+RESIDUAL_PREFIX = "residual."
+
+
+def to_delta_mhar(state_dict: dict[str, Tensor], model_cfg: ModelConfig, heads: int = 4,
+                  groups: int = 0) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """``(new_cfg, new_state_dict)`` of the delta-MHAR version of a standard-residual model.
+
+    ``heads`` routing heads (must divide ``d_model``), ``groups`` delta groups over the ``2L``
+    sublayers (0 = one per transformer layer). The input state dict is not modified; its tensors
+    are shared with the output (copy them if you mean to modify both).
+    """
+    kind = model_cfg.residual.kind
+    if kind != "standard":
+        raise ConfigError(f"config error: model.residual.kind: delta conversion needs a standard-residual "
+                          f"model, this one is {kind!r}")
+    stray = sorted(k for k in state_dict if k.startswith(RESIDUAL_PREFIX))
+    if stray:
+        raise CheckpointError(f"the weights already hold residual parameters ({stray[0]}, ...); "
+                              "they do not come from a standard-residual model")
+    new_cfg = copy.deepcopy(model_cfg)
+    new_cfg.residual = dataclasses.replace(model_cfg.residual, kind="delta", heads=heads,
+                                           delta_groups=groups, blocks=0)
+    new_cfg.validate()  # heads must divide d_model, groups in 0..2L
+
+    from archlab.model.attnres import DeltaResidual
+
+    ref = state_dict.get("tok_emb.weight")
+    if ref is None:
+        raise CheckpointError("the weights have no tok_emb.weight; not an archlab model")
+    fresh = DeltaResidual(new_cfg)
+    fresh.init_weights(new_cfg.init_std, new_cfg.init_std)
+    new_sd = dict(state_dict)
+    for name, value in fresh.state_dict().items():
+        new_sd[RESIDUAL_PREFIX + name] = value.to(device=ref.device, dtype=ref.dtype)
+    return new_cfg, new_sd
+
+
+def new_parameter_names(cfg: ModelConfig) -> list[str]:
+    """State-dict keys the delta conversion adds for ``cfg`` (a delta config)."""
+    from archlab.model.attnres import DeltaResidual
+
+    return [RESIDUAL_PREFIX + k for k in DeltaResidual(cfg).state_dict()]
+
+
+def convert_checkpoint(ckpt: str | Path, out: str | Path, heads: int = 4, groups: int = 0,
+                       overwrite: bool = False) -> dict[str, Any]:
+    """Convert a standard-residual checkpoint into a delta-MHAR one at ``out``.
+
+    The converted model is checked before anything is written: its logits on a short token
+    sequence must equal the original's exactly. Returns a summary (paths, sizes, the check).
+    """
+    from archlab.model import build_model
+    from archlab.train.checkpoint import load_model, save_model
+
+    out = Path(out)
+    model, run_cfg, ckpt_dir = load_model(ckpt)
+    if out.resolve() == ckpt_dir.resolve():
+        raise CheckpointError(f"--out {out} is the input checkpoint; write the conversion elsewhere")
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; pass --overwrite to replace it")
+    model.eval()
+    new_cfg, new_sd = to_delta_mhar(model.state_dict(), run_cfg.model, heads=heads, groups=groups)
+    new_model = build_model(new_cfg).eval()
+    new_model.load_state_dict(new_sd, strict=True)
+
+    cfg = run_cfg.model
+    n = min(32, cfg.max_seq_len)
+    idx = (torch.arange(2 * n).view(2, n) * 7919 % cfg.vocab_size).long()
+    with torch.no_grad():
+        a, b = model(idx), new_model(idx)
+        diff = float((a.logits - b.logits).abs().max())
+        if a.branch_logits is not None:
+            diff = max(diff, float((a.branch_logits - b.branch_logits).abs().max()))
+    if diff != 0.0:
+        raise RuntimeError(f"delta conversion changed the model's function (max |dlogit| = {diff}); "
+                           "this is a bug in archlab")
+
+    new_run = dataclasses.replace(run_cfg, model=new_cfg)
+    tokenizer = ckpt_dir / "tokenizer.json"
+    save_model(out, new_model, new_run, tokenizer_path=tokenizer if tokenizer.is_file() else None,
+               extra_state={"converted_from": str(ckpt_dir), "conversion": "delta-mhar"})
+    added = new_parameter_names(new_cfg)
+    return {
+        "input": str(ckpt_dir),
+        "output": str(out),
+        "heads": heads,
+        "groups": groups or cfg.n_layers,
+        "new_parameters": sum(new_sd[k].numel() for k in added),
+        "new_tensors": len(added),
+        "max_abs_logit_diff": diff,
+    }
+
+
+__all__ = ["convert_checkpoint", "new_parameter_names", "to_delta_mhar"]
