@@ -1,0 +1,15 @@
+"""The lab: matched-budget comparisons of architecture variants (``archlab compare``).
+
+Layers, each usable on its own:
+
+* ``suite``  - suite YAML files (built-in ones in ``archlab/suites/``) -> ``Suite``
+* ``plan``   - a ``Suite`` -> every run's validated config, budget, costs and run id
+* ``runner`` - train what is missing, resume what was interrupted, record results
+* ``store``  - the SQLite results database (one row per run)
+* ``stats``  - noise floor, Welch's t, confidence intervals, Bonferroni verdicts
+* ``report`` - report.md / report.html / console table, from the database alone
+* ``cli``    - the ``compare`` and ``report`` commands
+
+Submodules are imported on use: the report pulls in matplotlib and scipy, which the rest of
+the command line does not need.
+"""

@@ -1,0 +1,134 @@
+"""``archlab compare`` and ``archlab report``.
+
+``compare`` checks the whole suite (every run's config, the budget) before it trains anything,
+then trains what is missing and writes the report. A bad suite file or variant key is a
+``ConfigError``: the main CLI prints it as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from archlab.errors import ConfigError
+from archlab.lab.suite import builtin_suites
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from archlab.lab.plan import CostsFn
+    from archlab.lab.runner import PrepareFn, TrainFn
+
+# The main CLI imports this module for every command, so the lab's heavy imports (scipy,
+# matplotlib, the trainer) happen inside the commands that need them.
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``compare`` and ``report`` to the main parser."""
+    c = subparsers.add_parser(
+        "compare", help="train a suite of variants under a matched budget and test them",
+        description="Run a comparison suite: the baseline with several seeds and every variant "
+                    "under the same token (or FLOP) budget, then report differences against the "
+                    "baseline's noise floor with Bonferroni-corrected significance. Finished runs "
+                    "are skipped and interrupted runs continue from their checkpoints.")
+    c.add_argument("suite", nargs="?", default="default",
+                   help=f"a built-in suite ({', '.join(builtin_suites())}) or a suite YAML file "
+                        "(default: default)")
+    c.add_argument("--out", type=Path, help="suite directory (default: runs/<suite name>)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="print the plan (runs, tokens, costs, estimated time) and train nothing")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a key of every run's config, e.g. --set train.device=cpu (repeatable)")
+    c.add_argument("--variants", metavar="A,B",
+                   help="train only these variants now (and the baseline); the report covers the suite")
+    c.add_argument("--no-resume", action="store_true",
+                   help="start over: move the suite directory's results and runs aside (needs --force "
+                        "when there are any)")
+    c.add_argument("--force", action="store_true", help="confirm --no-resume")
+    c.set_defaults(func=run_compare)
+
+    r = subparsers.add_parser("report", help="write report.md and report.html for a suite directory",
+                              description="Build the report of a suite from its results database.")
+    r.add_argument("dir", type=Path, help="suite directory (holds results.sqlite)")
+    r.set_defaults(func=run_report)
+
+
+def _start_over(out: Path, force: bool, console: Console) -> None:
+    """``--no-resume``: move results and run directories to ``archive/<time>/`` (never delete:
+    finished measurements are the expensive part)."""
+    from archlab.lab.runner import RUNS_DIR
+    from archlab.lab.store import DB_NAME
+
+    present = [p for p in (out / DB_NAME, out / RUNS_DIR) if p.exists()]
+    if not present:
+        return
+    if not force:
+        raise ConfigError(f"--no-resume would set aside the results in {out}; add --force to confirm")
+    dest = out / "archive" / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True)
+    for p in present:
+        shutil.move(str(p), dest / p.name)
+        for side in (p.with_name(p.name + "-wal"), p.with_name(p.name + "-shm")):
+            if side.exists():
+                shutil.move(str(side), dest / side.name)
+    console.print(f"previous results moved to {dest}")
+
+
+def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
+                costs_fn: CostsFn | None = None, prepare_fn: PrepareFn | None = None,
+                console: Console | None = None) -> int:
+    """The ``compare`` command; the keyword arguments replace the trainer, the cost model and
+    data preparation (tests use them)."""
+    from rich.console import Console
+
+    from archlab.lab.plan import build_plan, select
+    from archlab.lab.report import print_report, write_report
+    from archlab.lab.runner import plan_table, run_suite, suite_lock
+    from archlab.lab.store import DB_NAME, ResultStore
+    from archlab.lab.suite import load_suite
+
+    console = console or Console()
+    suite = load_suite(args.suite)
+    out = Path(args.out) if args.out else Path("runs") / suite.name
+    plan = build_plan(suite, out, args.overrides, costs_fn=costs_fn)
+    chosen = None if not args.variants else [v.strip() for v in args.variants.split(",") if v.strip()]
+    runs = select(plan, chosen)
+    if args.dry_run:
+        rows = {}
+        if (plan.out_dir / DB_NAME).is_file() and not args.no_resume:
+            with ResultStore(plan.out_dir / DB_NAME, create=False) as store:
+                rows = {r.run_id: r for r in store.runs()}
+        table, summary = plan_table(plan, runs, rows)
+        console.print(table)
+        console.print(summary, highlight=False)
+        for job in plan.data_jobs:
+            if not job.path.exists():
+                console.print(f"will prepare {job.source} (vocab {job.vocab_size}) into {job.path}")
+        return 0
+    with suite_lock(plan.out_dir):
+        if args.no_resume:
+            _start_over(plan.out_dir, args.force, console)
+        with ResultStore(plan.out_dir / DB_NAME) as store:
+            outcome = run_suite(plan, store, runs, train_fn=train_fn, prepare_fn=prepare_fn, console=console)
+        md, html = write_report(plan.out_dir)
+    print_report(plan.out_dir, console)
+    console.print(f"{outcome.finished} runs trained, {outcome.skipped} already done"
+                  + (f", {outcome.diverged} diverged" if outcome.diverged else "")
+                  + f"; report: {md} and {html}", highlight=False)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """The ``report`` command."""
+    from rich.console import Console
+
+    from archlab.lab.report import print_report, write_report
+
+    console = Console()
+    md, html = write_report(args.dir)
+    print_report(args.dir, console)
+    console.print(f"wrote {md} and {html}", highlight=False)
+    return 0

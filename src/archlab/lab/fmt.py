@@ -1,0 +1,22 @@
+"""Number formatting shared by the plan table and the reports (one style everywhere)."""
+
+from __future__ import annotations
+
+import math
+
+
+def si(x: float | None, unit: str = "") -> str:
+    """``1840000 -> '1.84M'``, ``2048, 'B' -> '2.05kB'``; ``-`` for a missing value."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{prefix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def duration(seconds: float) -> str:
+    """``95 -> '1m35s'``, ``4000 -> '1h06m'``."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

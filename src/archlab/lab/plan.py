@@ -1,0 +1,242 @@
+"""From a suite to a list of fully built runs: configs, budgets, costs and run ids.
+
+Planning builds and validates every run's ``RunConfig`` up front, so an unknown variant key or a
+budget too small for the warm-up fails before anything trains. It also fixes each run's identity:
+the run id is a hash of (suite name, label, init seed, data seed, config hash), so a resumed
+suite finds its rows and a changed config (budget, ``--set``) gets new rows instead of reusing
+old results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from archlab.config import ModelConfig, RunConfig, make_config, parse_override
+from archlab.errors import ConfigError
+from archlab.lab.store import COST_KEYS
+from archlab.lab.suite import Suite, merge
+
+CostsFn = Callable[..., dict[str, Any]]
+
+# Keys the suite owns: a base, variant or --set value for them would be silently replaced.
+_RESERVED = {("train", "seed"): "seeds.baseline / seeds.variants",
+             ("train", "steps"): "budget.tokens", ("data", "seed"): "seeds.data"}
+_PROVISIONAL_STEPS = 10**9  # only to read a config's tokens per step before the budget is known
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    run_id: str
+    label: str
+    role: Literal["baseline", "variant"]
+    init_seed: int
+    data_seed: int
+    config: RunConfig
+    config_hash: str  # of the config with a suite-managed data path made relative (portable)
+    tokens: int  # steps * tokens per step
+    costs: dict[str, float]
+    cost_context: int
+
+    @property
+    def steps(self) -> int:
+        return self.config.train.steps
+
+
+@dataclass(frozen=True)
+class DataJob:
+    """A corpus the suite prepares into its own directory when missing."""
+
+    path: Path
+    source: str
+    vocab_size: int
+    max_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    suite: Suite
+    out_dir: Path
+    overrides: tuple[str, ...]
+    runs: tuple[PlannedRun, ...]
+    data_jobs: tuple[DataJob, ...]
+
+    @property
+    def labels(self) -> list[str]:
+        return [self.suite.baseline, *self.suite.variants]
+
+    def meta(self) -> dict[str, Any]:
+        """What the report needs besides the rows, stored in the database's ``meta`` table."""
+        return {
+            "suite": self.suite.to_dict(),
+            "overrides": list(self.overrides),
+            "labels": self.labels,
+            "runs": [{"run_id": r.run_id, "label": r.label, "role": r.role, "init_seed": r.init_seed,
+                      "data_seed": r.data_seed, "tokens": r.tokens, "steps": r.steps, "costs": r.costs,
+                      "cost_context": r.cost_context}
+                     for r in self.runs],
+        }
+
+
+def _real_costs() -> CostsFn:
+    from archlab.model.accounting import costs
+
+    return costs
+
+
+def _check_reserved(tree: dict[str, Any], where: str, suite: Suite) -> None:
+    for (section, key), owner in _RESERVED.items():
+        values = tree.get(section)
+        if isinstance(values, dict) and key in values:
+            raise ConfigError(f"suite error: {suite.origin}: {where}: {section}.{key} is set by the "
+                              f"suite ({owner}); remove it here")
+    if suite.data is not None and isinstance(tree.get("data"), dict) and "path" in tree["data"]:
+        raise ConfigError(f"suite error: {suite.origin}: {where}: data.path is managed by the suite's "
+                          "data section; remove one of them")
+
+
+def _portable_hash(cfg: RunConfig, out_dir: Path) -> str:
+    """Config hash with a data path inside the suite directory made relative to it, so moving
+    or copying a suite directory keeps its run ids (and its finished results)."""
+    tree = cfg.to_dict()
+    path = Path(tree["data"]["path"])
+    if path.is_absolute() and path.is_relative_to(out_dir):
+        tree["data"]["path"] = str(path.relative_to(out_dir))
+    blob = json.dumps(tree, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def data_dir_name(suite: Suite, vocab_size: int) -> str:
+    """Name of a suite-managed data directory: everything that changes the prepared tokens
+    (source, size, vocabulary) is in it, so changing any of them prepares new data and, through
+    data.path, gives new run ids instead of silently reusing results on other data."""
+    assert suite.data is not None
+    source = suite.data.source
+    slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", source).strip("_.")[-40:] or "data"
+    if slug != source:  # a path or pattern: keep it readable, and unique through a hash
+        slug += "-" + hashlib.sha256(source.encode()).hexdigest()[:8]
+    mb = suite.data.max_mb
+    size = "default" if mb is None else "all" if mb == 0 else f"{mb:g}MB"
+    return f"{slug}-{size}-v{vocab_size}"
+
+
+class _CostCache:
+    """``costs`` per distinct model config and context (variants often share the baseline's)."""
+
+    def __init__(self, fn: CostsFn, dtype_bytes: int) -> None:
+        self.fn, self.dtype_bytes = fn, dtype_bytes
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, model: ModelConfig, context: int) -> dict[str, Any]:
+        key = json.dumps([dataclasses.asdict(model), context], sort_keys=True)
+        if key not in self._cache:
+            out = self.fn(model, context, batch=1, dtype_bytes=self.dtype_bytes)
+            missing = [k for k in COST_KEYS if k not in out]
+            if missing:
+                raise RuntimeError(f"archlab.model.accounting.costs returned no {', '.join(missing)}")
+            self._cache[key] = out
+        return self._cache[key]
+
+    def columns(self, cfg: RunConfig, context: int) -> dict[str, float]:
+        """Training FLOPs at the training length; serving costs at the suite's stated context."""
+        train = self(cfg.model, cfg.train.seq_len)
+        serve = self(cfg.model, context)
+        out = {k: serve[k] for k in COST_KEYS}
+        out["train_flops_per_token"] = train["train_flops_per_token"]
+        return out
+
+
+def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ...] = (),
+               costs_fn: CostsFn | None = None) -> Plan:
+    """Build, validate and cost every run of ``suite``; raises ConfigError before any work."""
+    out_dir = Path(out_dir).resolve()
+    over_tree: dict[str, Any] = {}
+    for item in overrides:
+        over_tree = merge(over_tree, parse_override(item))
+    _check_reserved(suite.base, "base", suite)
+    _check_reserved(over_tree, "--set", suite)
+    eval_tree: dict[str, Any] = {"train": {}}
+    if suite.eval.every is not None:
+        eval_tree["train"]["eval_every"] = suite.eval.every
+    if suite.eval.batches is not None:
+        eval_tree["train"]["eval_batches"] = suite.eval.batches
+
+    def build(label: str, init_seed: int, data_seed: int, steps: int) -> RunConfig:
+        where = "base" if label == suite.baseline else f"variants.{label}"
+        variant: dict[str, Any] = {}
+        if label != suite.baseline:
+            try:
+                variant = suite.variant_tree(label)
+            except ConfigError as e:
+                raise ConfigError(f"suite error: {suite.origin}: {where}: {e}") from None
+            _check_reserved(variant, where, suite)
+        tree = merge(merge(merge(suite.base, eval_tree), variant), over_tree)
+        tree = merge(tree, {"train": {"seed": init_seed, "steps": steps}, "data": {"seed": data_seed}})
+        try:
+            cfg = make_config(suite.preset, extra=tree)
+        except ConfigError as e:
+            hint = "" if steps == _PROVISIONAL_STEPS else f" (budget gives {steps} steps)"
+            raise ConfigError(f"suite error: {suite.origin}: {where}: {e}{hint}") from None
+        if suite.data is not None:
+            cfg.data.path = str(out_dir / "data" / data_dir_name(suite, cfg.model.vocab_size))
+        return cfg
+
+    # Pass 1: every label's config without a budget, to get tokens per step and model sizes.
+    probe = {label: build(label, 0, 0, _PROVISIONAL_STEPS) for label in [suite.baseline, *suite.variants]}
+    cache = _CostCache(costs_fn or _real_costs(), suite.costs.dtype_bytes)
+    costs = {label: cache.columns(cfg, suite.costs.context or cfg.train.seq_len)
+             for label, cfg in probe.items()}
+    base_fpt = costs[suite.baseline]["train_flops_per_token"]
+
+    def steps_for(label: str) -> int:
+        tokens = float(suite.budget.tokens)
+        if suite.budget.match == "iso-flop":
+            tokens *= base_fpt / costs[label]["train_flops_per_token"]
+        return max(1, round(tokens / probe[label].train.tokens_per_step))
+
+    # Pass 2: the runs, interleaved by seed index so partial results cover every label early.
+    runs: list[PlannedRun] = []
+    seed_lists = {suite.baseline: suite.seeds.baseline, **{v: suite.seeds.variants for v in suite.variants}}
+    for i in range(max(len(s) for s in seed_lists.values())):
+        for label, seeds in seed_lists.items():
+            if i >= len(seeds):
+                continue
+            init_seed = seeds[i]
+            data_seed = suite.seeds.data_seed(init_seed)
+            cfg = build(label, init_seed, data_seed, steps_for(label))
+            chash = _portable_hash(cfg, out_dir)
+            ident = json.dumps([suite.name, label, init_seed, data_seed, chash])
+            run_id = f"{label}-s{init_seed}-d{data_seed}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}"
+            runs.append(PlannedRun(
+                run_id=run_id, label=label,
+                role="baseline" if label == suite.baseline else "variant",
+                init_seed=init_seed, data_seed=data_seed, config=cfg, config_hash=chash,
+                tokens=cfg.train.steps * cfg.train.tokens_per_step, costs=costs[label],
+                cost_context=suite.costs.context or cfg.train.seq_len))
+
+    jobs: dict[Path, DataJob] = {}
+    if suite.data is not None:
+        max_bytes = None if suite.data.max_mb is None else int(suite.data.max_mb * 1_000_000)
+        for r in runs:
+            path = Path(r.config.data.path)
+            jobs[path] = DataJob(path=path, source=suite.data.source,
+                                 vocab_size=r.config.model.vocab_size, max_bytes=max_bytes)
+    return Plan(suite=suite, out_dir=out_dir, overrides=tuple(overrides), runs=tuple(runs),
+                data_jobs=tuple(jobs.values()))
+
+
+def select(plan: Plan, variants: list[str] | None) -> list[PlannedRun]:
+    """The runs to train now: the baseline's always, and the chosen variants (all by default)."""
+    if variants is None:
+        return list(plan.runs)
+    unknown = [v for v in variants if v not in plan.suite.variants]
+    if unknown:
+        raise ConfigError(f"suite error: {plan.suite.origin}: --variants: unknown variant {unknown[0]!r}; "
+                          f"this suite has: {', '.join(plan.suite.variants) or '(none)'}")
+    chosen = set(variants) | {plan.suite.baseline}
+    return [r for r in plan.runs if r.label in chosen]

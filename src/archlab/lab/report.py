@@ -1,0 +1,419 @@
+"""Reports of a suite, built from its results database alone.
+
+Every number in a report comes from ``results.sqlite``: the suite definition and plan stored at
+``compare`` time (the ``meta`` table) and the run rows. So a report can be regenerated at any
+time, while a suite is still running, or after the run directories (checkpoints) are deleted.
+
+Outputs, next to the database: ``report.md`` (GitHub-flavoured tables, figures as PNG files in
+the same directory), ``report.html`` (one self-contained file: inline CSS, figures as base64
+PNG, no scripts, no external resources) and a rich table on the console.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from archlab.errors import ArchlabError
+from archlab.lab.fmt import si
+from archlab.lab.stats import Comparison, compare, noise_floor
+from archlab.lab.store import DB_NAME, ResultStore, RunRow
+
+FIGURES = (  # (file, caption); the file stem is the figure's short name
+    ("loss_curves.png", "Validation loss against training tokens (training FLOPs under iso-FLOP "
+                        "matching): mean over seeds, band = min to max over seeds; right, the last "
+                        "half of training enlarged."),
+    ("loss_diff.png", "Difference in final validation loss against the baseline (negative = better) "
+                      "with 95% confidence intervals; grey bands: 1 and 2 noise floors."),
+    ("tradeoff.png", "Final validation loss (mean and seed standard deviation) against prefill FLOPs "
+                     "per token and against bytes read per decode step."),
+)
+
+
+@dataclass(frozen=True)
+class LabelSummary:
+    """One baseline or variant: its runs, final losses and costs, and its test against the baseline."""
+
+    label: str
+    role: str
+    planned: int
+    finished: list[RunRow]
+    diverged: int
+    running: int
+    costs: dict[str, Any]
+    comparison: Comparison | None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.final_val_loss for r in self.finished if r.final_val_loss is not None]
+
+    @property
+    def bpbs(self) -> list[float]:
+        return [r.final_val_bpb for r in self.finished if r.final_val_bpb is not None]
+
+    @property
+    def mean_loss(self) -> float | None:
+        return statistics.fmean(self.losses) if self.losses else None
+
+    @property
+    def sd_loss(self) -> float | None:
+        return statistics.stdev(self.losses) if len(self.losses) > 1 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        rates = [r.tokens_per_s for r in self.finished if r.tokens_per_s]
+        return statistics.median(rates) if rates else None
+
+    @property
+    def verdict(self) -> str:
+        if self.role == "baseline":
+            return "baseline"
+        if self.comparison is not None:
+            return self.comparison.verdict
+        if self.diverged and not self.finished:
+            return "diverged"
+        return "pending"
+
+
+@dataclass(frozen=True)
+class ReportData:
+    plan: dict[str, Any]
+    summaries: list[LabelSummary]
+    floor: float | None
+    n_tests: int
+    alpha: float
+    rows: list[RunRow]
+
+    @property
+    def suite(self) -> dict[str, Any]:
+        return self.plan["suite"]
+
+    @property
+    def baseline(self) -> LabelSummary:
+        return self.summaries[0]
+
+
+def collect(store: ResultStore) -> ReportData:
+    """Gather the suite's planned runs, their rows and the statistics."""
+    plan = store.get_meta("plan")
+    if plan is None:
+        raise ArchlabError(f"{store.path} holds no suite plan (run archlab compare first)")
+    by_id = {r.run_id: r for r in store.runs()}
+    planned = plan["runs"]
+    suite = plan["suite"]
+    n_tests = max(1, len(suite["variants"]))
+    alpha = float(suite["eval"]["alpha"])
+    rows = [by_id[p["run_id"]] for p in planned if p["run_id"] in by_id]
+
+    def summary(label: str, base_losses: list[float] | None) -> LabelSummary:
+        mine = [p for p in planned if p["label"] == label]
+        got = [by_id[p["run_id"]] for p in mine if p["run_id"] in by_id]
+        done = [r for r in got if r.status == "finished"]
+        losses = [r.final_val_loss for r in done]
+        comp = None
+        if base_losses and losses:
+            comp = compare(base_losses, losses, n_tests, alpha)
+        return LabelSummary(label=label, role=mine[0]["role"], planned=len(mine), finished=done,
+                            diverged=sum(r.status == "diverged" for r in got),
+                            running=sum(r.status == "running" for r in got),
+                            costs=mine[0]["costs"], comparison=comp)
+
+    labels = plan["labels"]
+    base = summary(labels[0], None)
+    summaries = [base] + [summary(lbl, base.losses) for lbl in labels[1:]]
+    return ReportData(plan=plan, summaries=summaries, floor=noise_floor(base.losses), n_tests=n_tests,
+                      alpha=alpha, rows=rows)
+
+
+# ---- formatting -------------------------------------------------------------------------------
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
+
+
+def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    header = ["variant", "seeds", "val loss", "bpb", "Δ loss", "z", "95% CI of Δ", "test",
+              "p", "p adj", "verdict"]
+    out = []
+    for s in data.summaries:
+        c = s.comparison
+        seeds = f"{len(s.finished)}/{s.planned}" + (f" ({s.diverged} diverged)" if s.diverged else "")
+        loss = _f(s.mean_loss, ".4f") + (f" ± {s.sd_loss:.4f}" if s.sd_loss is not None else "")
+        bpb = _f(statistics.fmean(s.bpbs), ".4f") if s.bpbs else "-"
+        if c is None:
+            out.append([s.label, seeds, loss, bpb, "-", "-", "-", "-", "-", "-", s.verdict])
+            continue
+        ci = "-" if c.ci_low is None else f"[{c.ci_low:+.4f}, {c.ci_high:+.4f}]"
+        out.append([s.label, seeds, loss, bpb, f"{c.diff:+.4f}", _f(c.z, "+.2f"), ci, c.method.split(" ")[0],
+                    _p(c.p), _p(c.p_adjusted), c.verdict])
+    return header, out
+
+
+def costs_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    ctx = data.plan["runs"][0]["cost_context"]
+    header = ["variant", "params total", "params active", "train FLOPs/tok", "prefill FLOPs/tok",
+              "decode FLOPs/tok", "KV bytes/tok", f"decode bytes/step (ctx {ctx})",
+              "train tokens/s", "tokens/run"]
+    out = []
+    for s in data.summaries:
+        c = s.costs
+        tokens = {p["tokens"] for p in data.plan["runs"] if p["label"] == s.label}
+        out.append([s.label, si(c["params_total"]), si(c["params_active"]),
+                    si(c["train_flops_per_token"]), si(c["prefill_flops_per_token"]),
+                    si(c["decode_flops_per_token"]), si(c["kv_bytes_per_token"], "B"),
+                    si(c["decode_bytes_per_step"], "B"), si(s.tokens_per_s),
+                    ", ".join(si(t) for t in sorted(tokens))])
+    return header, out
+
+
+def overview(data: ReportData) -> list[str]:
+    """Short facts about the suite: budget, seeds, noise floor, progress, provenance."""
+    s = data.suite
+    done = sum(len(x.finished) for x in data.summaries)
+    planned = sum(x.planned for x in data.summaries)
+    running = sum(x.running for x in data.summaries)
+    diverged = sum(x.diverged for x in data.summaries)
+    revisions = sorted({r.code_revision for r in data.rows})
+    devices = sorted({r.device for r in data.rows if r.device})
+    floor = (f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)"
+             if data.floor is not None else "not available (needs at least 2 finished baseline seeds)")
+    seeds = s["seeds"]
+    return [
+        f"Suite: {s['name']} ({s['origin']}), preset {s['preset'] or 'none'}"
+        + (f", overrides: {' '.join(data.plan['overrides'])}" if data.plan["overrides"] else ""),
+        f"Budget: {s['budget']['tokens']:,} tokens, {s['budget']['match']} matching",
+        f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
+        + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run"),
+        f"Runs: {done} of {planned} finished" + (f", {running} running" if running else "")
+        + (f", {diverged} diverged" if diverged else ""),
+        f"Noise floor: {floor}",
+        f"Final loss = mean of the last {s['eval']['last_k']} evaluations; significance: "
+        f"Bonferroni over {data.n_tests} variant(s) at alpha = {data.alpha}",
+        f"Code revision: {', '.join(revisions) or '-'}; device: {', '.join(devices) or '-'}",
+    ]
+
+
+METHOD_NOTE = (
+    "Δ = mean(variant) - mean(baseline) of the final validation loss (negative is better); "
+    "z = Δ / noise floor. Test: Welch's t-test when both sides have at least 2 seeds; with a "
+    "single seed on one side, the pooled two-sample t-test (the prediction-interval test of one "
+    "observation against a sample, assuming equal seed noise). The 95% CI uses the test's "
+    "standard error and degrees of freedom and is not adjusted; p adj = min(1, p × number of "
+    "variants) (Bonferroni), and a variant is better or worse only if p adj < alpha."
+)
+
+
+# ---- figures ----------------------------------------------------------------------------------
+def _colors(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return ["black"] + [cmap(i % 10) for i in range(n - 1)]
+
+
+def _curve_band(runs: list[RunRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(tokens, mean, min, max) over the evaluation points every seed has."""
+    curves = [{int(p["tokens"]): float(p["loss"]) for p in r.val_curve} for r in runs if r.val_curve]
+    if not curves:
+        return None
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    if not common:
+        return None
+    y = np.array([[c[t] for t in common] for c in curves])
+    return np.array(common, dtype=float), y.mean(0), y.min(0), y.max(0)
+
+
+def _empty(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def fig_curves(data: ReportData) -> Figure:
+    """Against tokens, or against training FLOPs under iso-FLOP matching (where the variants'
+    token counts differ by design and compute is what was held equal)."""
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    full, tail = fig.subplots(1, 2)
+    iso_flop = data.suite["budget"]["match"] == "iso-flop"
+    plotted = False
+    for s, color in zip(data.summaries, _colors(len(data.summaries))):
+        band = _curve_band(s.finished)
+        if band is None:
+            continue
+        x, mean, lo, hi = band
+        if iso_flop:
+            x = x * float(s.costs["train_flops_per_token"])
+        plotted = True
+        keep = x >= x[-1] / 2
+        for ax, m in ((full, np.ones_like(keep)), (tail, keep)):
+            ax.plot(x[m], mean[m], color=color, lw=1.6, label=f"{s.label} ({len(s.finished)} seeds)")
+            ax.fill_between(x[m], lo[m], hi[m], color=color, alpha=0.18, lw=0)
+    if not plotted:
+        _empty(full, "no finished runs yet")
+        _empty(tail, "")
+        return fig
+    for ax, title in ((full, "validation loss"), (tail, "last half of training")):
+        ax.set_xlabel("training FLOPs" if iso_flop else "training tokens")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    tail.legend(fontsize=8)
+    return fig
+
+
+def fig_diffs(data: ReportData) -> Figure:
+    comps = [(s.label, s.comparison) for s in data.summaries[1:] if s.comparison is not None]
+    fig = Figure(figsize=(8, 1.2 + 0.5 * max(1, len(comps))), layout="constrained")
+    ax = fig.subplots()
+    if not comps:
+        _empty(ax, "no variant with a finished run and a baseline yet")
+        return fig
+    if data.floor:
+        ax.axvspan(-2 * data.floor, 2 * data.floor, color="grey", alpha=0.12, lw=0, label="±2 noise floors")
+        ax.axvspan(-data.floor, data.floor, color="grey", alpha=0.25, lw=0, label="±1 noise floor")
+    ax.axvline(0.0, color="black", lw=0.8)
+    colors = _colors(len(data.summaries))[1:]
+    for i, ((label, c), color) in enumerate(zip(comps, colors)):
+        if c.ci_low is not None and c.ci_high is not None:
+            ax.errorbar([c.diff], [i], xerr=[[c.diff - c.ci_low], [c.ci_high - c.diff]], fmt="o",
+                        color=color, capsize=4)
+        else:
+            ax.plot([c.diff], [i], "o", color=color, mfc="none")
+    ax.set_yticks(range(len(comps)), [f"{lbl}\n{c.verdict}" for lbl, c in comps], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("Δ final validation loss vs baseline (negative = better), 95% CI")
+    ax.grid(axis="x", alpha=0.3)
+    if data.floor:
+        ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def fig_tradeoff(data: ReportData) -> Figure:
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    points = [(s, color) for s, color in zip(data.summaries, _colors(len(data.summaries)))
+              if s.mean_loss is not None]
+    if not points:
+        for ax in axes:
+            _empty(ax, "no finished runs yet")
+        return fig
+    ctx = data.plan["runs"][0]["cost_context"]
+    for ax, key, xlabel in ((axes[0], "prefill_flops_per_token", "prefill FLOPs per token"),
+                            (axes[1], "decode_bytes_per_step", f"bytes read per decode step (context {ctx})")):
+        for s, color in points:
+            x = float(s.costs[key])
+            ax.errorbar([x], [s.mean_loss], yerr=[s.sd_loss or 0.0], fmt="s" if s.role == "baseline" else "o",
+                        color=color, capsize=3)
+            ax.annotate(s.label, (x, s.mean_loss), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.margins(x=0.15, y=0.15)
+    axes[0].set_ylabel("final validation loss")
+    fig.suptitle("quality against prefill cost and decode cost")
+    return fig
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    esc = [[c.replace("|", "\\|") for c in r] for r in [header, *rows]]
+    lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
+    return "\n".join(lines)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1150px;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px}
+th{background:#f3f3f3}td{text-align:right}td:first-child,td:last-child{text-align:left}
+figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555;font-size:14px}"""
+
+
+def write_report(out_dir: str | Path) -> tuple[Path, Path]:
+    """Write report.md (+ PNGs) and report.html into the suite directory ``out_dir``."""
+    out = Path(out_dir)
+    with ResultStore(out / DB_NAME, create=False) as store:
+        data = collect(store)
+    title = f"archlab comparison: {data.suite['name']}"
+    tables = [("Results", *results_table(data)), ("Costs", *costs_table(data))]
+    pngs = {name: _png(fn(data)) for (name, _), fn in zip(FIGURES, (fig_curves, fig_diffs, fig_tradeoff))}
+    for name, blob in pngs.items():
+        (out / name).write_bytes(blob)
+    facts = overview(data)
+    desc = data.suite["description"]
+
+    md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
+    for name, header, rows in tables:
+        md += [f"## {name}", "", _md_table(header, rows), ""]
+    md += [METHOD_NOTE, "", "## Figures", ""]
+    for name, caption in FIGURES:
+        md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
+    md_path = out / "report.md"
+    md_path.write_text("\n".join(md))
+
+    body = [f"<h1>{html.escape(title)}</h1>"] + ([f"<p>{html.escape(desc)}</p>"] if desc else [])
+    body.append("<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")
+    for name, header, rows in tables:
+        body += [f"<h2>{name}</h2>", _html_table(header, rows)]
+    body += [f"<p>{html.escape(METHOD_NOTE)}</p>", "<h2>Figures</h2>"]
+    for name, caption in FIGURES:
+        b64 = base64.b64encode(pngs[name]).decode()
+        body.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{b64}">'
+                    f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    html_path = out / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return md_path, html_path
+
+
+def print_report(out_dir: str | Path, console: Console) -> None:
+    """The results table (and the suite facts) on the console."""
+    with ResultStore(Path(out_dir) / DB_NAME, create=False) as store:
+        data = collect(store)
+    for fact in overview(data):
+        console.print(fact, highlight=False)
+    full_header, full_rows = results_table(data)
+    # The console gets the columns a verdict rests on; bpb, test and raw p are in the files.
+    keep = [i for i, h in enumerate(full_header) if h not in ("bpb", "test", "p")]
+    header = [full_header[i] for i in keep]
+    rows = [[r[i] for i in keep] for r in full_rows]
+    table = Table(title=f"suite {data.suite['name']}: final validation loss against {data.baseline.label}",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, h in enumerate(header):
+        last = i == len(header) - 1  # in a narrow terminal the verdict and the intervals wrap
+        table.add_column(h, justify="left" if i == 0 or last else "right",
+                         no_wrap=h not in ("verdict", "val loss", "95% CI of Δ"))
+    styles = {"better": "green", "worse": "red"}
+    for r in rows:
+        table.add_row(*r, style=styles.get(r[-1]))
+    console.print(table)

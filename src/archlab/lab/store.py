@@ -1,0 +1,316 @@
+"""The results store: one SQLite file per suite directory, one row per run.
+
+Why SQLite: a comparison can take days, gets interrupted, and is read by reports while it is
+still running. SQLite in WAL mode gives atomic, durable transactions (``synchronous=FULL``),
+readers that never block the writer, and a file that a killed writer leaves readable: the
+write-ahead log is either committed as a whole or ignored. Each public write is one transaction.
+
+Invariants, enforced by the database itself (triggers), not only by this code:
+
+* a row whose status is ``finished`` or ``diverged`` is never updated or deleted, so nothing
+  measured is lost or silently replaced;
+* the schema version lives in ``PRAGMA user_version``; a file from a newer archlab is refused
+  rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal, Protocol
+
+from archlab.errors import ArchlabError
+
+SCHEMA_VERSION = 1
+DB_NAME = "results.sqlite"
+
+Status = Literal["running", "finished", "diverged"]
+
+# The cost columns of METHODOLOGY.md, as returned by ``archlab.model.accounting.costs``.
+COST_KEYS: tuple[str, ...] = (
+    "params_total",
+    "params_active",
+    "params_embedding",
+    "train_flops_per_token",
+    "prefill_flops_per_token",
+    "decode_flops_per_token",
+    "kv_bytes_per_token",
+    "decode_bytes_per_step",
+)
+
+_SCHEMA: tuple[str, ...] = (
+    """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
+    """CREATE TABLE runs (
+        run_id TEXT PRIMARY KEY,
+        suite TEXT NOT NULL,
+        label TEXT NOT NULL,
+        role TEXT NOT NULL CHECK (role IN ('baseline', 'variant')),
+        init_seed INTEGER NOT NULL,
+        data_seed INTEGER NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('running', 'finished', 'diverged')),
+        config TEXT NOT NULL,
+        config_hash TEXT NOT NULL,
+        code_revision TEXT NOT NULL,
+        planned_tokens INTEGER NOT NULL,
+        planned_steps INTEGER NOT NULL,
+        attempts INTEGER NOT NULL,
+        started_at REAL NOT NULL,
+        finished_at REAL,
+        params_total INTEGER,
+        params_active INTEGER,
+        params_embedding INTEGER,
+        train_flops_per_token REAL,
+        prefill_flops_per_token REAL,
+        decode_flops_per_token REAL,
+        kv_bytes_per_token REAL,
+        decode_bytes_per_step REAL,
+        cost_context INTEGER NOT NULL,
+        tokens INTEGER,
+        steps INTEGER,
+        final_val_loss REAL,
+        final_val_bpb REAL,
+        val_curve TEXT,
+        train_curve TEXT,
+        params_model INTEGER,
+        tokens_per_s REAL,
+        mfu REAL,
+        wall_s REAL,
+        device TEXT,
+        error TEXT
+    )""",
+    """CREATE TRIGGER runs_terminal_no_update BEFORE UPDATE ON runs
+       WHEN OLD.status != 'running'
+       BEGIN SELECT RAISE(ABORT, 'archlab: a finished run is never overwritten'); END""",
+    """CREATE TRIGGER runs_terminal_no_delete BEFORE DELETE ON runs
+       WHEN OLD.status != 'running'
+       BEGIN SELECT RAISE(ABORT, 'archlab: a finished run is never deleted'); END""",
+)
+
+
+class TrainOutcome(Protocol):
+    """What the lab needs from ``archlab.train.trainer.TrainResult``."""
+
+    final_val_loss: float
+    final_val_bpb: float
+    val_curve: list[dict[str, Any]]
+    train_curve: list[dict[str, Any]]
+    tokens: int
+    steps: int
+    tokens_per_s: float
+    wall_s: float
+    device: str
+    mfu: float | None
+    params: int
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Everything known about a run before it trains (from the suite plan)."""
+
+    run_id: str
+    suite: str
+    label: str
+    role: Literal["baseline", "variant"]
+    init_seed: int
+    data_seed: int
+    config: dict[str, Any]
+    config_hash: str
+    code_revision: str
+    planned_tokens: int
+    planned_steps: int
+    costs: dict[str, float]
+    cost_context: int
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One row of the ``runs`` table, curves decoded."""
+
+    run_id: str
+    suite: str
+    label: str
+    role: str
+    init_seed: int
+    data_seed: int
+    status: Status
+    config: dict[str, Any]
+    config_hash: str
+    code_revision: str
+    planned_tokens: int
+    planned_steps: int
+    attempts: int
+    started_at: float
+    finished_at: float | None
+    costs: dict[str, float | None]
+    cost_context: int
+    tokens: int | None
+    steps: int | None
+    final_val_loss: float | None
+    final_val_bpb: float | None
+    val_curve: list[dict[str, Any]]
+    train_curve: list[dict[str, Any]]
+    params_model: int | None
+    tokens_per_s: float | None
+    mfu: float | None
+    wall_s: float | None
+    device: str | None
+    error: str | None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class ResultStore:
+    """The suite's database; open it, use it from one thread, close it (or use ``with``)."""
+
+    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+        self.path = Path(path)
+        if not create and not self.path.is_file():
+            raise ArchlabError(f"no results database at {self.path} (run archlab compare first)")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: this class issues BEGIN/COMMIT itself, so one call is exactly
+        # one transaction and nothing is left open implicitly.
+        self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=60.0)
+        self._conn.row_factory = sqlite3.Row
+        try:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise ArchlabError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._init_schema()
+        except sqlite3.DatabaseError as e:
+            self._conn.close()
+            raise ArchlabError(f"{self.path} is not a readable archlab results database ({e})") from None
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "ResultStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE takes the write lock up front, so a write never fails half-way on a
+        lock upgrade; any exception rolls the whole transaction back."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _init_schema(self) -> None:
+        with self._transaction() as c:
+            version = c.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                tables = c.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+                if tables:
+                    raise ArchlabError(f"{self.path} is an SQLite file but not an archlab results database")
+                for stmt in _SCHEMA:
+                    c.execute(stmt)
+                c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version > SCHEMA_VERSION:
+                raise ArchlabError(
+                    f"{self.path} has results schema v{version}; this archlab reads up to "
+                    f"v{SCHEMA_VERSION} (upgrade archlab)")
+
+    # ---- suite metadata ---------------------------------------------------------------------
+    def set_meta(self, key: str, value: Any) -> None:
+        with self._transaction() as c:
+            c.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                      "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, _dumps(value)))
+
+    def get_meta(self, key: str) -> Any:
+        row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    # ---- runs ------------------------------------------------------------------------------
+    def start_run(self, start: RunStart) -> bool:
+        """Record that a run is (re)starting. Returns False, touching nothing, if the run is
+        already finished or diverged; a second start of a running row counts an attempt."""
+        with self._transaction() as c:
+            row = c.execute("SELECT status FROM runs WHERE run_id = ?", (start.run_id,)).fetchone()
+            now = time.time()
+            if row is None:
+                cols = dict(
+                    run_id=start.run_id, suite=start.suite, label=start.label, role=start.role,
+                    init_seed=start.init_seed, data_seed=start.data_seed, status="running",
+                    config=_dumps(start.config), config_hash=start.config_hash,
+                    code_revision=start.code_revision, planned_tokens=start.planned_tokens,
+                    planned_steps=start.planned_steps, attempts=1, started_at=now,
+                    cost_context=start.cost_context,
+                    **{k: start.costs[k] for k in COST_KEYS},
+                )
+                c.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                          tuple(cols.values()))
+                return True
+            if row["status"] != "running":
+                return False
+            c.execute("UPDATE runs SET attempts = attempts + 1, code_revision = ? WHERE run_id = ?",
+                      (start.code_revision, start.run_id))
+            return True
+
+    def finish_run(self, run_id: str, result: TrainOutcome, *, final_val_loss: float,
+                   final_val_bpb: float) -> None:
+        """Store a completed run's measurements and mark it finished (one transaction)."""
+        self._end(run_id, "finished", dict(
+            tokens=int(result.tokens), steps=int(result.steps), final_val_loss=float(final_val_loss),
+            final_val_bpb=float(final_val_bpb), val_curve=_dumps(list(result.val_curve)),
+            train_curve=_dumps(list(result.train_curve)), params_model=int(result.params),
+            tokens_per_s=float(result.tokens_per_s),
+            mfu=None if result.mfu is None else float(result.mfu), wall_s=float(result.wall_s),
+            device=str(result.device)))
+
+    def mark_diverged(self, run_id: str, message: str) -> None:
+        """A run whose loss became non-finite: a result too (the variant is unstable here)."""
+        self._end(run_id, "diverged", dict(error=message))
+
+    def _end(self, run_id: str, status: Status, values: dict[str, Any]) -> None:
+        values = dict(values, status=status, finished_at=time.time())
+        sets = ", ".join(f"{k} = ?" for k in values)
+        with self._transaction() as c:
+            cur = c.execute(f"UPDATE runs SET {sets} WHERE run_id = ? AND status = 'running'",
+                            (*values.values(), run_id))
+            if cur.rowcount != 1:
+                raise RuntimeError(f"run {run_id} is not running in {self.path}; cannot mark it {status}")
+
+    # ---- reading ---------------------------------------------------------------------------
+    def get(self, run_id: str) -> RunRow | None:
+        row = self._conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else _row(row)
+
+    def runs(self) -> list[RunRow]:
+        return [_row(r) for r in self._conn.execute("SELECT * FROM runs ORDER BY started_at, run_id")]
+
+    def integrity_ok(self) -> bool:
+        return self._conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def _row(r: sqlite3.Row) -> RunRow:
+    return RunRow(
+        run_id=r["run_id"], suite=r["suite"], label=r["label"], role=r["role"],
+        init_seed=r["init_seed"], data_seed=r["data_seed"], status=r["status"],
+        config=json.loads(r["config"]), config_hash=r["config_hash"],
+        code_revision=r["code_revision"], planned_tokens=r["planned_tokens"],
+        planned_steps=r["planned_steps"], attempts=r["attempts"], started_at=r["started_at"],
+        finished_at=r["finished_at"], costs={k: r[k] for k in COST_KEYS},
+        cost_context=r["cost_context"], tokens=r["tokens"], steps=r["steps"],
+        final_val_loss=r["final_val_loss"], final_val_bpb=r["final_val_bpb"],
+        val_curve=json.loads(r["val_curve"]) if r["val_curve"] else [],
+        train_curve=json.loads(r["train_curve"]) if r["train_curve"] else [],
+        params_model=r["params_model"], tokens_per_s=r["tokens_per_s"], mfu=r["mfu"],
+        wall_s=r["wall_s"], device=r["device"], error=r["error"],
+    )

@@ -1,0 +1,154 @@
+"""Stand-ins for the trainer, the cost model and data preparation, so lab tests run in seconds.
+
+The fake trainer behaves like the real one where the lab depends on it: it checkpoints into
+``out_dir/ckpt/`` every ``ckpt_every`` steps, resumes from the latest checkpoint, honours
+``stop_after_steps`` and returns a ``TrainResult``-shaped object. Its losses are a pure function
+of (config, step), so an interrupted-and-resumed run gives exactly the uninterrupted result.
+The loss depends on ``model.init_std`` (lower is better), which lets tests build a variant with a
+known effect without the lab knowing anything about it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archlab.config import ModelConfig, RunConfig
+from archlab.errors import TrainingDiverged
+
+
+@dataclass
+class FakeResult:
+    final_val_loss: float
+    final_val_bpb: float
+    val_curve: list[dict[str, Any]] = field(default_factory=list)
+    train_curve: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+    steps: int = 0
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    device: str = "fake-cpu"
+    mfu: float | None = None
+    params: int = 0
+
+
+def fake_loss(cfg: RunConfig, step: int) -> float:
+    """Loss at ``step``: a decaying curve to a level set by init_std, plus per-run noise."""
+    rng = random.Random(cfg.hash())
+    level = 3.0 + 10.0 * (cfg.model.init_std - 0.02) + rng.gauss(0.0, 0.01)
+    return level + 4.0 * math.exp(-step / max(1.0, cfg.train.steps / 5))
+
+
+class FakeTrainer:
+    """Callable with ``train``'s signature; records every call as (run directory name, first step).
+
+    ``hang_at=(name_prefix, step)``: in the first run whose directory name starts with the prefix,
+    after the checkpoint at ``step``, touch ``hang_marker`` and sleep (a test then kills the
+    process). ``diverge``: labels whose runs raise ``TrainingDiverged``.
+    """
+
+    def __init__(self, log: Path | None = None, hang_at: tuple[str, int] | None = None,
+                 hang_marker: Path | None = None, diverge: tuple[str, ...] = ()) -> None:
+        self.log, self.hang_at, self.hang_marker, self.diverge = log, hang_at, hang_marker, diverge
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, cfg: RunConfig, out_dir: Path, *, resume: bool = True, progress: Any = None,
+                 stop_after_steps: int | None = None) -> FakeResult:
+        out = Path(out_dir)
+        ckpt = out / "ckpt"
+        tc = cfg.train
+        step, val, train = 0, [], []
+        if resume and (ckpt / "latest").exists():
+            state = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "state.json").read_text())
+            step, val, train = state["step"], state["val"], state["train"]
+        self.calls.append((out.name, step))
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps([out.name, step]) + "\n")
+        if any(out.name.startswith(f"{label}-") for label in self.diverge):
+            raise TrainingDiverged(f"training diverged: loss is nan at step {step}")
+        task = progress.add_task(out.name, total=tc.steps, completed=step) if progress is not None else None
+        t0, done = time.perf_counter(), 0
+        while step < tc.steps and (stop_after_steps is None or done < stop_after_steps):
+            step += 1
+            done += 1
+            tokens = step * tc.tokens_per_step
+            if step % tc.log_every == 0 or step == tc.steps:
+                train.append({"step": step, "tokens": tokens, "loss": fake_loss(cfg, step) + 0.05})
+            if step % tc.eval_every == 0 or step == tc.steps:
+                loss = fake_loss(cfg, step)
+                val.append({"step": step, "tokens": tokens, "loss": loss, "bpb": loss / math.log(2) / 3.5})
+            if step % tc.ckpt_every == 0 or step == tc.steps:
+                name = f"step_{step:07d}"
+                (ckpt / name).mkdir(parents=True, exist_ok=True)
+                (ckpt / name / "state.json").write_text(json.dumps({"step": step, "val": val, "train": train}))
+                (ckpt / "latest").write_text(name + "\n")
+                if self.hang_at and out.name.startswith(self.hang_at[0]) and step == self.hang_at[1]:
+                    assert self.hang_marker is not None
+                    self.hang_marker.write_text(out.name)
+                    time.sleep(3600)
+            if task is not None:
+                progress.update(task, completed=step)
+        wall = time.perf_counter() - t0
+        loss = fake_loss(cfg, step)
+        return FakeResult(final_val_loss=loss, final_val_bpb=loss / math.log(2) / 3.5, val_curve=val,
+                          train_curve=train, tokens=step * tc.tokens_per_step, steps=step,
+                          tokens_per_s=done * tc.tokens_per_step / wall if wall > 0 and done else 0.0,
+                          wall_s=wall, params=1000)
+
+
+def fake_costs(model: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:
+    """Cost columns with the right shape: a decode branch doubles training FLOPs per token."""
+    d, n_layers, vocab = model.d_model, model.n_layers, model.vocab_size
+    embed = vocab * d * (1 if model.tie_embeddings else 2)
+    params = 12 * n_layers * d * d + embed
+    rows = 2 if model.branch.enabled else 1
+    kv = 2 * n_layers * d * dtype_bytes
+    return {
+        "params_total": params, "params_active": params, "params_embedding": embed,
+        "train_flops_per_token": rows * (6 * params + 6 * n_layers * d * context),
+        "prefill_flops_per_token": 2 * params + 2 * n_layers * d * context,
+        "decode_flops_per_token": rows * (2 * params + 4 * n_layers * d * context),
+        "kv_bytes_per_token": kv, "decode_bytes_per_step": params * dtype_bytes + batch * context * kv,
+        "context": context, "batch": batch, "dtype_bytes": dtype_bytes,
+    }
+
+
+class FakePrepare:
+    """Records prepare calls and creates the directory, as the real ``prepare`` does at its end."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, *, source: str, out_dir: Path, vocab_size: int, max_bytes: int | None) -> dict[str, Any]:
+        self.calls.append(dict(source=source, out_dir=Path(out_dir), vocab_size=vocab_size, max_bytes=max_bytes))
+        Path(out_dir).mkdir(parents=True)
+        return {}
+
+
+SUITE_YAML = """\
+name: fake
+description: lab test suite
+preset: tiny
+base:
+  data: {path: /nonexistent-data}
+  train: {warmup_steps: 2, eval_every: 5, ckpt_every: 10, log_every: 5}
+budget: {tokens: 81920, match: iso-token}   # 40 steps of 16 x 128
+seeds: {baseline: [0, 1, 2], variants: [0, 1]}
+baseline: llama
+variants:
+  lower-init: {model.init_std: 0.01}
+  same: {model.rope_theta: 5000.0}
+eval: {last_k: 2}
+"""
+
+
+def write_suite(dir_: Path, text: str = SUITE_YAML, name: str = "suite.yaml") -> Path:
+    path = dir_ / name
+    path.write_text(text)
+    return path

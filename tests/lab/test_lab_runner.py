@@ -1,0 +1,208 @@
+"""Running suites: kill and resume, skipped work, divergence, data preparation, CLI options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from archlab.errors import ArchlabError, ConfigError
+from archlab.lab.cli import run_compare
+from archlab.lab.plan import build_plan
+from archlab.lab.runner import RUNS_DIR, plan_table, run_suite, suite_lock
+from archlab.lab.store import DB_NAME, ResultStore
+from archlab.lab.suite import load_suite
+from tests.lab.lab_fakes import SUITE_YAML, FakePrepare, FakeTrainer, fake_costs, write_suite
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PATH": "/usr/bin:/bin"}
+
+
+def quiet() -> Console:
+    return Console(file=open(os.devnull, "w"), width=200)
+
+
+def args(suite: Path | str, out: Path, **kw: object) -> argparse.Namespace:
+    base = dict(suite=str(suite), out=out, dry_run=False, overrides=[], variants=None, no_resume=False,
+                force=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def snapshot(db: Path) -> dict[str, tuple]:
+    with ResultStore(db, create=False) as store:
+        return {r.run_id: (r.status, r.finished_at, r.final_val_loss, r.attempts, json.dumps(r.val_curve))
+                for r in store.runs() if r.status == "finished"}
+
+
+# The suite runs in a child process whose fake trainer hangs in the 4th run (baseline "llama",
+# seed 1) right after its checkpoint at step 20; the test kills it there with SIGKILL.
+CHILD = """
+import sys
+from pathlib import Path
+from rich.console import Console
+from archlab.lab.plan import build_plan
+from archlab.lab.runner import run_suite
+from archlab.lab.store import ResultStore, DB_NAME
+from archlab.lab.suite import load_suite
+from tests.lab.lab_fakes import FakeTrainer, fake_costs
+suite_file, out, log, marker = map(Path, sys.argv[1:5])
+plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)
+fake = FakeTrainer(log=log, hang_at=("llama-s1-", 20), hang_marker=marker)
+with ResultStore(out / DB_NAME) as store:
+    run_suite(plan, store, list(plan.runs), train_fn=fake, console=Console(width=150))
+"""
+
+
+def test_kill_mid_suite_then_resume(tmp_path: Path) -> None:
+    suite_file = write_suite(tmp_path)
+    out, log, marker = tmp_path / "out", tmp_path / "calls.jsonl", tmp_path / "hanging"
+    plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)
+    ids = [r.run_id for r in plan.runs]
+    assert ids[3].startswith("llama-s1-")
+
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(suite_file), str(out), str(log), str(marker)],
+                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    db = out / DB_NAME
+    before = snapshot(db)
+    assert sorted(before) == sorted(ids[:3])  # three finished, recorded before the kill
+    with ResultStore(db, create=False) as store:
+        assert store.get(ids[3]).status == "running"
+    assert (out / RUNS_DIR / ids[3] / "ckpt" / "latest").read_text().strip() == "step_0000020"
+
+    fake = FakeTrainer()
+    outcome = run_suite(plan, ResultStore(db), list(plan.runs), train_fn=fake, console=quiet())
+    assert outcome.skipped == 3 and outcome.finished == 4 and outcome.interrupted is None
+    # Nothing finished was re-run; the interrupted run continued from its checkpoint.
+    assert fake.calls == [(ids[3], 20)] + [(i, 0) for i in ids[4:]]
+    after = snapshot(db)
+    assert set(after) == set(ids)
+    assert {k: after[k] for k in before} == before  # finished rows untouched
+    with ResultStore(db, create=False) as store:
+        assert store.get(ids[3]).attempts == 2
+
+    # The resumed run's result equals an uninterrupted run's.
+    clean = tmp_path / "clean"
+    plan2 = build_plan(load_suite(suite_file), clean, costs_fn=fake_costs)
+    run_suite(plan2, ResultStore(clean / DB_NAME), list(plan2.runs), train_fn=FakeTrainer(), console=quiet())
+    assert {k: v[2] for k, v in snapshot(clean / DB_NAME).items()} == {k: v[2] for k, v in after.items()}
+
+    # A third call trains nothing.
+    idle = FakeTrainer()
+    assert run_suite(plan, ResultStore(db), list(plan.runs), train_fn=idle, console=quiet()).skipped == 7
+    assert idle.calls == []
+
+
+def test_stop_after_steps_leaves_the_run_resumable(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
+    db = tmp_path / "o" / DB_NAME
+    first = run_suite(plan, ResultStore(db), list(plan.runs), train_fn=FakeTrainer(), console=quiet(),
+                      stop_after_steps=25)
+    assert first.interrupted == plan.runs[0].run_id and first.finished == 0
+    with ResultStore(db, create=False) as store:
+        assert store.get(plan.runs[0].run_id).status == "running"
+    fake = FakeTrainer()
+    run_suite(plan, ResultStore(db), list(plan.runs), train_fn=fake, console=quiet())
+    assert fake.calls[0] == (plan.runs[0].run_id, 20)  # from the step-20 checkpoint
+
+
+def test_divergence_is_recorded_and_the_suite_goes_on(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
+    db = tmp_path / "o" / DB_NAME
+    outcome = run_suite(plan, ResultStore(db), list(plan.runs), train_fn=FakeTrainer(diverge=("same",)),
+                        console=quiet())
+    assert outcome.diverged == 2 and outcome.finished == 5
+    fake = FakeTrainer()
+    run_suite(plan, ResultStore(db), list(plan.runs), train_fn=fake, console=quiet())
+    assert fake.calls == []  # a diverged run is a result, not retried
+    with ResultStore(db, create=False) as store:
+        rows = [r for r in store.runs() if r.label == "same"]
+        assert {r.status for r in rows} == {"diverged"} and "nan" in (rows[0].error or "")
+
+
+def test_final_loss_is_the_mean_of_the_last_k_evaluations(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
+    db = tmp_path / "o" / DB_NAME
+    run_suite(plan, ResultStore(db), list(plan.runs[:1]), train_fn=FakeTrainer(), console=quiet())
+    with ResultStore(db, create=False) as store:
+        row = store.get(plan.runs[0].run_id)
+    last = [p["loss"] for p in row.val_curve[-2:]]  # eval.last_k = 2 in the test suite
+    assert row.final_val_loss == pytest.approx(sum(last) / 2)
+    assert row.costs == {k: v for k, v in plan.runs[0].costs.items() if k in row.costs}
+
+
+def test_managed_data_is_prepared_once(tmp_path: Path) -> None:
+    text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
+        "budget:", "data: {source: stdlib, max_mb: 1.5}\nbudget:")
+    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    prep = FakePrepare()
+    run_suite(plan, ResultStore(tmp_path / "o" / DB_NAME), list(plan.runs[:2]), train_fn=FakeTrainer(),
+              prepare_fn=prep, console=quiet())
+    assert prep.calls == [dict(source="stdlib", out_dir=tmp_path.resolve() / "o" / "data" / "stdlib-1.5MB-v4096",
+                               vocab_size=4096, max_bytes=1_500_000)]
+    run_suite(plan, ResultStore(tmp_path / "o" / DB_NAME), list(plan.runs), train_fn=FakeTrainer(),
+              prepare_fn=prep, console=quiet())
+    assert len(prep.calls) == 1
+
+
+def test_compare_cli_variants_no_resume_and_report(tmp_path: Path) -> None:
+    suite_file, out = write_suite(tmp_path), tmp_path / "o"
+    fake = FakeTrainer()
+    assert run_compare(args(suite_file, out, variants="same"), train_fn=fake, costs_fn=fake_costs,
+                       console=quiet()) == 0
+    assert {c[0].split("-s")[0] for c in fake.calls} == {"llama", "same"} and len(fake.calls) == 5
+    assert (out / "report.md").is_file() and (out / "report.html").is_file()
+    with pytest.raises(ConfigError, match="add --force"):
+        run_compare(args(suite_file, out, no_resume=True), train_fn=fake, costs_fn=fake_costs, console=quiet())
+    again = FakeTrainer()
+    run_compare(args(suite_file, out, no_resume=True, force=True), train_fn=again, costs_fn=fake_costs,
+                console=quiet())
+    assert len(again.calls) == 7  # everything retrained, from step 0
+    assert all(step == 0 for _, step in again.calls)
+    archived = list((out / "archive").glob("*/" + DB_NAME))
+    assert len(archived) == 1 and len(snapshot(archived[0])) == 5  # the old results are kept aside
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path: Path) -> None:
+    suite_file, out = write_suite(tmp_path), tmp_path / "o"
+    text = suite_file.read_text() + "estimate: {tokens_per_s: 2048}\n"
+    suite_file.write_text(text)
+    console = Console(record=True, width=250)
+    fake = FakeTrainer()
+    assert run_compare(args(suite_file, out, dry_run=True), train_fn=fake, costs_fn=fake_costs,
+                       console=console) == 0
+    shown = console.export_text()
+    assert fake.calls == [] and not out.exists()
+    assert "7 of 7 runs to train" in shown and "lower-init s1" in shown
+    assert "estimated time 4m40s" in shown  # 7 runs x 40 s at the assumed 2048 tokens/s
+    # After some runs finish, the plan shows them done and measures the rate.
+    plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)
+    run_suite(plan, ResultStore(out / DB_NAME), list(plan.runs[:2]), train_fn=fake, console=quiet())
+    with ResultStore(out / DB_NAME, create=False) as store:
+        table, summary = plan_table(plan, list(plan.runs), {r.run_id: r for r in store.runs()})
+    assert summary.startswith("5 of 7 runs to train") and "measured" in summary
+
+
+def test_one_compare_per_suite_directory(tmp_path: Path) -> None:
+    with suite_lock(tmp_path):
+        with pytest.raises(ArchlabError, match="another archlab compare"):
+            with suite_lock(tmp_path):
+                pass
+    with suite_lock(tmp_path):  # released
+        pass

@@ -1,0 +1,146 @@
+"""Suite files and plans: the built-ins, budgets, run identity, and one-line errors (exit code 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from archlab.errors import ConfigError
+from archlab.lab.plan import build_plan, select
+from archlab.lab.suite import builtin_suites, load_suite
+from tests.lab.lab_fakes import SUITE_YAML, fake_costs, write_suite
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_builtin_suites_plan_cleanly(tmp_path: Path) -> None:
+    assert {"default", "gpu-20m", "gpu-124m"} <= set(builtin_suites())
+    for name in builtin_suites():
+        suite = load_suite(name)
+        plan = build_plan(suite, tmp_path / name, costs_fn=fake_costs)
+        labels = {r.label for r in plan.runs}
+        assert labels == {suite.baseline, *suite.variants}
+        assert len([r for r in plan.runs if r.role == "baseline"]) >= 3
+        assert len({r.run_id for r in plan.runs}) == len(plan.runs)
+
+
+def test_default_suite_shape() -> None:
+    suite = load_suite("default")
+    assert suite.preset == "tiny" and suite.data is not None and suite.data.source == "stdlib"
+    assert len(suite.seeds.baseline) == 3
+    assert {"decode-branch", "attnres", "mhar4"} <= set(suite.variants)
+    cfg = build_plan(suite, Path("/tmp/x"), costs_fn=fake_costs).runs[0].config
+    assert cfg.train.device == "cpu"
+
+
+def test_plan_budget_seeds_and_ids(tmp_path: Path) -> None:
+    suite = load_suite(write_suite(tmp_path))
+    plan = build_plan(suite, tmp_path / "out", costs_fn=fake_costs)
+    assert [r.label for r in plan.runs][:3] == ["llama", "lower-init", "same"]  # interleaved by seed
+    assert len(plan.runs) == 3 + 2 * 2
+    for r in plan.runs:
+        assert r.steps == 40 and r.tokens == 40 * 16 * 128
+        assert r.config.train.seed == r.init_seed and r.config.data.seed == r.data_seed == 0
+    lower = next(r for r in plan.runs if r.label == "lower-init")
+    assert lower.config.model.init_std == 0.01
+    # Same suite, same ids; a changed config (here via --set) gives new ids.
+    again = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "out", costs_fn=fake_costs)
+    assert [r.run_id for r in again.runs] == [r.run_id for r in plan.runs]
+    changed = build_plan(suite, tmp_path / "out", ["train.lr=0.001"], costs_fn=fake_costs)
+    assert all(r.config.train.lr == 0.001 for r in changed.runs)
+    assert not {r.run_id for r in changed.runs} & {r.run_id for r in plan.runs}
+
+
+def test_data_seed_follows_init(tmp_path: Path) -> None:
+    text = SUITE_YAML.replace("variants: [0, 1]}", "variants: [0, 1], data: init}")
+    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    assert all(r.data_seed == r.init_seed == r.config.data.seed for r in plan.runs)
+
+
+def test_iso_flop_scales_tokens_by_training_flops(tmp_path: Path) -> None:
+    text = SUITE_YAML.replace("iso-token", "iso-flop").replace(
+        "  same: {model.rope_theta: 5000.0}", "  branch: {model.branch.enabled: true}")
+    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    base = next(r for r in plan.runs if r.label == "llama")
+    branch = next(r for r in plan.runs if r.label == "branch")
+    ratio = base.costs["train_flops_per_token"] / branch.costs["train_flops_per_token"]
+    assert ratio == pytest.approx(0.5)
+    assert branch.steps == round(81920 * ratio / 2048) == 20
+    assert base.steps == 40
+
+
+def test_managed_data_path_is_inside_the_suite_dir_and_portable(tmp_path: Path) -> None:
+    text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
+        "budget:", "data: {source: stdlib, max_mb: 2}\nbudget:")
+    suite = load_suite(write_suite(tmp_path, text))
+    a = build_plan(suite, tmp_path / "a", costs_fn=fake_costs)
+    b = build_plan(suite, tmp_path / "b", costs_fn=fake_costs)
+    assert a.runs[0].config.data.path == str((tmp_path / "a" / "data" / "stdlib-2MB-v4096").resolve())
+    assert [j.max_bytes for j in a.data_jobs] == [2_000_000]
+    assert [r.run_id for r in a.runs] == [r.run_id for r in b.runs]  # a moved suite keeps its ids
+    # Other data (size or source) is another directory, hence other runs.
+    bigger = build_plan(load_suite(write_suite(tmp_path, text.replace("max_mb: 2", "max_mb: 0"))),
+                        tmp_path / "a", costs_fn=fake_costs)
+    assert bigger.runs[0].config.data.path.endswith("/data/stdlib-all-v4096")
+    assert not {r.run_id for r in bigger.runs} & {r.run_id for r in a.runs}
+    files = build_plan(load_suite(write_suite(tmp_path, text.replace("source: stdlib", "source: '/corpus/*.txt'"))),
+                       tmp_path / "a", costs_fn=fake_costs)
+    name = Path(files.runs[0].config.data.path).name
+    assert name.startswith("corpus_.txt-") and name.endswith("-2MB-v4096") and "/" not in name
+
+
+def test_select_variants(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
+    assert {r.label for r in select(plan, ["same"])} == {"llama", "same"}
+    with pytest.raises(ConfigError, match="unknown variant 'nope'"):
+        select(plan, ["nope"])
+
+
+BAD = [
+    ("budget: {tokens: [1, 2\n", "not valid YAML"),
+    ("name: nobudget\n", "budget: is required"),
+    (SUITE_YAML.replace("budget:", "bugdet:"), "bugdet: unknown key"),
+    (SUITE_YAML.replace("match: iso-token", "match: iso-time"), "budget.match: must be one of"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: lots"), "budget.tokens: expected int"),
+    (SUITE_YAML.replace("baseline: [0, 1, 2]", "baseline: [0, 0]"), "seeds.baseline: has repeated"),
+    (SUITE_YAML.replace("model.init_std: 0.01", "model.init_sdt: 0.01"),
+     "variants.lower-init: config error: unknown key 'model.init_sdt'"),
+    (SUITE_YAML.replace("model.init_std: 0.01", "model.init_std: tiny"),
+     "variants.lower-init: config error: model.init_std: expected float"),
+    (SUITE_YAML.replace("model.init_std: 0.01", "train.seed: 4"), "train.seed is set by the suite"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: 2048"), "warmup_steps"),
+    (SUITE_YAML.replace("  same:", "  llama:"), "cannot share the baseline's name"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD)
+def test_malformed_suites_fail_with_one_line(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_unknown_builtin_suite() -> None:
+    with pytest.raises(ConfigError, match="unknown suite 'nope'; built-in: .*default"):
+        load_suite("nope")
+
+
+@pytest.mark.parametrize("text,message", [BAD[1], BAD[5]])
+def test_cli_exit_code_2_and_one_line(tmp_path: Path, text: str, message: str) -> None:
+    """Through the real entry point: a malformed suite or unknown variant key is one line, exit 2,
+    and nothing is written."""
+    path = write_suite(tmp_path, text)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from archlab.cli import main; sys.exit(main())",
+         "compare", str(path), "--out", str(out)],
+        capture_output=True, text=True, env={"PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
