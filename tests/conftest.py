@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter. Triton reads this when it
+# is first imported (importing torch does not import it; torch.compile does), so it is set here,
+# before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests are small; more threads than cores only slows a 2-core CI machine down.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from archlab.config import make_config
 from archlab.infer.generate import Generator, Sampling

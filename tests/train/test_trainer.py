@@ -41,15 +41,20 @@ def test_resume_with_a_different_config_is_refused(stdlib_data, tmp_path):
     assert sorted(p.name for p in (tmp_path / "r" / "ckpt").iterdir()) == before
 
 
-def test_tiny_preset_learns_well_below_unigram_entropy(stdlib_data, tmp_path):
-    """The tiny preset's own budget (steps, batch, sequence) on real Python source."""
-    cfg = make_config("tiny", overrides=[f"data.path={stdlib_data}", "model.vocab_size=512"])
+def test_tiny_preset_learns_well_below_unigram_entropy(tmp_path):
+    """The tiny preset, unchanged, with its default budget on the default stdlib corpus."""
+    from archlab.data.prepare import prepare
+
+    data = tmp_path / "stdlib"
+    prepare("stdlib", data, vocab_size=4096)
+    cfg = make_config("tiny", overrides=[f"data.path={data}"])
     res = train(cfg, tmp_path / "tiny", show_progress=False)
-    val = np.fromfile(stdlib_data / "val_000.bin", dtype=np.uint16)
-    counts = np.bincount(val, minlength=512).astype(float)
+    val = np.fromfile(data / "val_000.bin", dtype=np.uint16)
+    counts = np.bincount(val, minlength=4096).astype(float)
     p = counts[counts > 0] / counts.sum()
     unigram = float(-(p * np.log(p)).sum())
     assert res.steps == cfg.train.steps
+    # one nat below the unigram entropy is 1.44 bits per token of real modelling
     assert res.final_val_loss < unigram - 1.0, (res.final_val_loss, unigram)
     assert math.isfinite(res.final_val_bpb) and res.final_val_bpb > 0
 

@@ -37,6 +37,7 @@ class Sampling:
 @dataclass
 class DecodeState:
     cache: KVCache
+    step: DecodeStep | torch.nn.Module
     pad: Tensor  # [B] left padding per row
     key_valid: Tensor  # [B, max_len]
     next_slot: int  # cache slot the next token is written to
@@ -44,13 +45,25 @@ class DecodeState:
     primary_logits: list[Tensor] = field(default_factory=list)  # per step, for inspection
 
 
+class DecodeStep(torch.nn.Module):
+    """One grouped decode step with the cache held as module buffers, so that a compiled,
+    CUDA-graphed step sees static addresses (the gpt-fast recipe)."""
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, idx: Tensor, input_pos: Tensor, rope_pos: Tensor, key_valid: Tensor) -> list[Tensor | None]:
+        branch_idx = idx if self.model.n_branches else None
+        return self.model.forward_cached(idx, self.cache, input_pos, rope_pos, key_valid,
+                                         branch_idx=branch_idx, fuse=True)
+
+
 class Generator:
     def __init__(self, model: Transformer, compile_decode: bool = False):
         self.model = model.eval()
         self.branch = model.n_branches > 0
-        self._step = model.forward_cached
-        if compile_decode:
-            self._step = torch.compile(model.forward_cached, mode="reduce-overhead", fullgraph=False)
+        self.compile_decode = compile_decode
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +92,10 @@ class Generator:
         input_pos = torch.arange(s, device=dev)
         rope_pos = (input_pos[None, :] - pad[:, None]).clamp_min(0)
         primary = self.model.forward_cached(tokens, cache, input_pos, rope_pos, key_valid, stash=stash)[0]
-        state = DecodeState(cache, pad, key_valid, s, stash)
+        step = DecodeStep(self.model, cache)
+        if self.compile_decode:
+            step = torch.compile(step, mode="reduce-overhead")
+        state = DecodeState(cache, step, pad, key_valid, s, stash)
         last = primary[:, -1:]
         state.primary_logits.append(last)
         branch = None
@@ -96,8 +112,7 @@ class Generator:
         idx = tokens.view(-1, 1).to(dev)
         input_pos = torch.tensor([state.next_slot], device=dev)
         rope_pos = (input_pos[None, :] - state.pad[:, None]).clamp_min(0)
-        outs = self._step(idx, state.cache, input_pos, rope_pos, state.key_valid,
-                          branch_idx=idx if self.branch else None, fuse=True)
+        outs = state.step(idx, input_pos, rope_pos, state.key_valid)
         state.next_slot += 1
         state.primary_logits.append(outs[0])
         return self._readout(outs[0], outs[1] if self.branch else None)[:, 0]

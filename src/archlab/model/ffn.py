@@ -7,9 +7,9 @@ auxiliary loss of the last forward (MoE load balancing), or ``None``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -28,22 +28,24 @@ def register_ffn(name: str):
     return deco
 
 
-class FFN(nn.Module):
+class FFN(nn.Module, ABC):
     aux_loss: Tensor | None = None
 
     #: width of the hidden activation the branch's ``b`` vector couples (0: no hidden coupling)
     coupling_hidden: int = 0
 
+    @abstractmethod
     def forward(self, hs: Groups, ctx: AttnContext, layer: int, fuse: bool,
                 couple_hidden: HiddenCoupling | None = None) -> Groups:
-        raise NotImplementedError
+        ...
 
     @staticmethod
+    @abstractmethod
     def param_counts(cfg: ModelConfig) -> dict[str, int]:
         """Per-layer parameter counts: ``total``, ``active`` (primary row), ``active_branch``,
         ``coupling_hidden`` (width of the branch's ``b`` vector) and, for routed FFNs,
         ``per_expert``."""
-        raise NotImplementedError
+        ...
 
 
 def build_ffn(cfg: ModelConfig) -> FFN:
@@ -61,19 +63,26 @@ def ffn_param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 @register_ffn("swiglu")
 class SwiGLU(FFN):
-    """``W_down (silu(W_gate x) * W_up x)``; the gated product is the hidden activation ``u``."""
+    """``W_down (silu(W_gate x) * W_up x)``; the gated product is the hidden activation ``u``.
+    ``w_gate_up`` stacks ``W_gate`` over ``W_up``."""
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
         hidden = hidden or cfg.hidden
         self.coupling_hidden = hidden
-        self.w_gate = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.hidden = hidden
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)  # [gate; up]: one matmul
         self.w_down = nn.Linear(hidden, cfg.d_model, bias=False)
 
     def hidden_act(self, hs: Groups, fuse: bool) -> Groups:
-        gates, ups = project(self.w_gate, hs, fuse), project(self.w_up, hs, fuse)
-        return [F.silu(g) * u if g is not None else None for g, u in zip(gates, ups)]
+        out = []
+        for gu in project(self.w_gate_up, hs, fuse):
+            if gu is None:
+                out.append(None)
+                continue
+            g, u = gu.split(self.hidden, dim=-1)
+            out.append(F.silu(g) * u)
+        return out
 
     def forward(self, hs: Groups, ctx: AttnContext, layer: int, fuse: bool,
                 couple_hidden: HiddenCoupling | None = None) -> Groups:

@@ -146,9 +146,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.q_dim = n_heads * head_dim
-        self.wq = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.kv_dim = n_kv_heads * head_dim
+        # One fused [q; k; v] projection: one matmul for the primary row. Branch rows use only its
+        # query rows (they compute no keys/values).
+        self.wqkv = nn.Linear(d_model, self.q_dim + 2 * self.kv_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
@@ -158,18 +159,31 @@ class Attention(nn.Module):
     def forward(self, hs: Groups, ctx: AttnContext, layer: int, fuse: bool,
                 couple_q: "QueryCoupling | None" = None) -> Groups:
         primary = hs[0]
-        qs = project(self.wq, hs, fuse)
+        branch = hs[1] if len(hs) > 1 else None
+        w = self.wqkv.weight
+        k = v = None
+        if primary is not None and branch is not None and fuse:
+            # grouped decode: every weight row is read once for all rows
+            q_all = F.linear(torch.cat([primary, branch]), w[: self.q_dim])
+            qs: Groups = list(q_all.split([primary.shape[0], branch.shape[0]]))
+            k, v = F.linear(primary, w[self.q_dim:]).split(self.kv_dim, dim=-1)
+        else:
+            qs = [None] * len(hs)
+            if primary is not None:
+                qs[0], k, v = self.wqkv(primary).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+            if branch is not None:
+                qs[1] = F.linear(branch, w[: self.q_dim])
         if primary is not None and ctx.stash is not None:
             ctx.stash.put(layer, "q", qs[0])
-        if couple_q is not None and len(qs) > 1 and qs[1] is not None:
+        if couple_q is not None and branch is not None:
             q_src = qs[0] if primary is not None else ctx.stash.get(layer, "q")
             qs[1] = couple_q(q_src, qs[1])
         cos, sin = ctx.rope[self.head_dim]
         qs = [apply_rope(self._heads(q, self.n_heads), cos, sin) if q is not None else None for q in qs]
 
         if primary is not None:
-            k = apply_rope(self._heads(self.wk(primary), self.n_kv_heads), cos, sin)
-            v = self._heads(self.wv(primary), self.n_kv_heads)
+            k = apply_rope(self._heads(k, self.n_kv_heads), cos, sin)
+            v = self._heads(v, self.n_kv_heads)
             if ctx.cache is not None:
                 k, v = ctx.cache.write(layer, ctx.input_pos, k, v)
         else:

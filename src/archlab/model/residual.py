@@ -13,6 +13,7 @@ Sites are numbered attention-then-MLP: layer ``l`` has sites ``2l`` and ``2l + 1
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from torch import Tensor, nn
@@ -29,18 +30,22 @@ def register_residual(name: str):
     return deco
 
 
-class ResidualStream(nn.Module):
+class ResidualStream(nn.Module, ABC):
+    @abstractmethod
     def start(self, x0: Tensor) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def read(self, state: Any, site: int) -> Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def write(self, state: Any, site: int, out: Tensor) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def final(self, state: Any) -> Tensor:
-        raise NotImplementedError
+        ...
 
     @staticmethod
     def param_count(cfg: ModelConfig) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -113,12 +112,13 @@ class Run:
         self.step_fn = torch.compile(self.model) if tc.compile else self.model
         self.step = 0
 
-    # The whole training step.
-    def train_step(self, step: int) -> float:
+    # The whole training step. Returns the loss as a tensor: reading it would make the host wait
+    # for the device, so the loop reads it one step later, while the next step is already queued.
+    def train_step(self, step: int) -> torch.Tensor:
         tc = self.cfg.train
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, tc)
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for micro in range(tc.grad_accum):
             x, y = self.data.train_batch(step, micro, tc.batch_size, tc.seq_len, self.cfg.data.seed)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -129,7 +129,7 @@ class Run:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(total)
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
@@ -251,30 +251,41 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
     params = param_counts(cfg.model)["params_total"]
     bar = TrainProgress(progress, total_steps=tc.steps, start_step=run.step, tokens_per_step=tc.tokens_per_step,
                         label=out.name, enabled=show_progress)
-    t_start, steps_done, last_loss = time.perf_counter(), 0, float("nan")
-    tok_s = 0.0
+    t_start, steps_done = time.perf_counter(), 0
+    pending: tuple[int, torch.Tensor | float, float] | None = None  # (step, loss, tokens/s) not yet read
+
+    def settle() -> None:
+        """Read the pending step's loss: stop on a non-finite one, else log it."""
+        nonlocal pending
+        if pending is None:
+            return
+        step, loss_t, tok_s = pending
+        pending = None
+        loss = float(loss_t)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"training diverged: loss is {loss} at step {step - 1}; the last good checkpoint "
+                f"in {out / 'ckpt'} is kept (try a lower train.lr or a longer warmup)")
+        bar.update(step, loss, tok_s)
+        if step % tc.log_every == 0 or step == tc.steps:
+            mfu = tok_s * flops_tok / peak if peak else None
+            log.write({"kind": "train", "step": step, "tokens": step * tc.tokens_per_step, "loss": loss,
+                       "lr": lr_at(step - 1, tc), "tokens_per_s": tok_s, "mfu": mfu})
+
     try:
+        t_prev = time.perf_counter()
         while run.step < tc.steps:
             if stop_after_steps is not None and steps_done >= stop_after_steps:
                 break
-            t0 = time.perf_counter()
-            loss = run.train_step(run.step)
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"training diverged: loss is {loss} at step {run.step}; the last good checkpoint "
-                    f"in {out / 'ckpt'} is kept (try a lower train.lr or a longer warmup)")
-            if run.device.type == "cuda":
-                torch.cuda.synchronize(run.device)
-            dt = time.perf_counter() - t0
+            loss_t = run.train_step(run.step)
             run.step += 1
             steps_done += 1
-            last_loss = loss
-            tok_s = tc.tokens_per_step / dt if dt > 0 else 0.0
-            bar.update(run.step, loss, tok_s)
-            if run.step % tc.log_every == 0 or run.step == tc.steps:
-                mfu = tok_s * flops_tok / peak if peak else None
-                log.write({"kind": "train", "step": run.step, "tokens": run.step * tc.tokens_per_step,
-                           "loss": loss, "lr": lr_at(run.step - 1, tc), "tokens_per_s": tok_s, "mfu": mfu})
+            settle()  # the previous step's loss, while this step runs on the device
+            now = time.perf_counter()
+            pending = (run.step, loss_t, tc.tokens_per_step / max(now - t_prev, 1e-9))
+            t_prev = now
+            if run.step % tc.eval_every == 0 or run.step % tc.ckpt_every == 0 or run.step == tc.steps:
+                settle()  # never evaluate or checkpoint weights that a non-finite step produced
             if run.step % tc.eval_every == 0 or run.step == tc.steps:
                 vl, bpb = run.evaluate()
                 log.write({"kind": "val", "step": run.step, "tokens": run.step * tc.tokens_per_step,
@@ -282,6 +293,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
                 bar.note(f"val {vl:.3f}")
             if run.step % tc.ckpt_every == 0 or run.step == tc.steps:
                 run.save(run.step)
+        settle()
     finally:
         bar.close()
         log.close()
