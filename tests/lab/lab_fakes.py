@@ -14,27 +14,17 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from archlab.config import ModelConfig, RunConfig
 from archlab.errors import TrainingDiverged
+from archlab.train.trainer import TrainResult
 
 
-@dataclass
-class FakeResult:
-    final_val_loss: float
-    final_val_bpb: float
-    val_curve: list[dict[str, Any]] = field(default_factory=list)
-    train_curve: list[dict[str, Any]] = field(default_factory=list)
-    tokens: int = 0
-    steps: int = 0
-    tokens_per_s: float = 0.0
-    wall_s: float = 0.0
-    device: str = "fake-cpu"
-    mfu: float | None = None
-    params: int = 0
+def FakeResult(**kw: Any) -> TrainResult:
+    """The trainer's own result type, on the fake device."""
+    return TrainResult(**{"device": "fake-cpu", **kw})
 
 
 def fake_loss(cfg: RunConfig, step: int) -> float:

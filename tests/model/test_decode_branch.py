@@ -11,7 +11,7 @@ from archlab.config import make_config
 from archlab.infer.generate import Generator, Sampling
 from archlab.model import build_model
 from archlab.model.accounting import costs
-from archlab.model.transformer import mixture_log_probs
+from archlab.model.transformer import mixture_log_probs, mixture_nll
 from tests.helpers import tiny_model_cfg
 from tests.infer.test_generate import assert_matches_full_forward
 
@@ -122,6 +122,13 @@ def test_mixture_loss_and_gradient_match_float64(scale):
     assert abs(loss.item() - ref.item()) < 1e-5
     torch.testing.assert_close(pl.grad.double(), pl64.grad, atol=1e-6, rtol=1e-4)
     torch.testing.assert_close(bl.grad.double(), bl64.grad, atol=1e-6, rtol=1e-4)
+    # the training loss (gathers only) is the same function with the same gradient
+    pl2, bl2 = pl.detach().clone().requires_grad_(), bl.detach().clone().requires_grad_()
+    train_loss = mixture_nll(pl2, bl2, y, cfg)
+    train_loss.backward()
+    assert abs(train_loss.item() - ref.item()) < 1e-5
+    torch.testing.assert_close(pl2.grad.double(), pl64.grad, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(bl2.grad.double(), bl64.grad, atol=1e-6, rtol=1e-4)
 
 
 def test_mixture_is_finite_when_alpha_saturates():
@@ -132,7 +139,7 @@ def test_mixture_is_finite_when_alpha_saturates():
     pl.requires_grad_()
     bl = torch.randn(1, 1, 1, 97, requires_grad=True)
     lp = mixture_log_probs(pl, bl, cfg)
-    loss = -lp[..., 7].sum()
+    loss = -lp[..., 7].sum() + mixture_nll(pl, bl, torch.tensor([[7]]), cfg)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(pl.grad).all() and torch.isfinite(bl.grad).all()
     assert torch.allclose(lp.exp().sum(-1), torch.ones(1, 1))

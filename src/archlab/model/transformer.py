@@ -180,27 +180,49 @@ class Transformer(nn.Module):
 
 
 # ---- readouts ----------------------------------------------------------------------------------
-def mixture_log_probs(primary_logits: Tensor, branch_logits: Tensor, cfg: ModelConfig) -> Tensor:
-    """log(alpha * p + (1 - alpha) * mean_r q_r), computed in log space in fp32.
+def _alpha_logs(logp: Tensor, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """log(alpha) and log(1 - alpha) from the primary's log-probabilities [..., V].
 
-    ``alpha = clamp(sum_v p_v^2, alpha_min, alpha_max)`` is the primary's collision probability.
-    ``log(1 - alpha)`` is floored at the smallest normal float so that alpha = 1 gives a finite
-    value and a zero (not NaN) gradient; the floor changes the mixture by under 1e-38.
+    ``alpha = clamp(sum_v p_v^2, alpha_min, alpha_max)`` is the primary's collision probability,
+    computed as ``exp(logsumexp(2 log p))`` (from log-probabilities, not raw logits: subtracting
+    two large log-sum-exps loses fp32 precision). ``log(1 - alpha)`` is floored at the smallest
+    normal float so that alpha = 1 gives a finite value and a zero (not NaN) gradient; the floor
+    changes the mixture by under 1e-38.
     """
     br = cfg.branch
-    logp = F.log_softmax(primary_logits.float(), dim=-1)
-    logq = F.log_softmax(branch_logits.float(), dim=-1)  # [R, ..., V]
-    if logq.shape[0] > 1:
-        logq = torch.logsumexp(logq, dim=0) - math.log(logq.shape[0])
-    else:
-        logq = logq[0]
-    alpha = torch.exp(torch.logsumexp(2 * logp, dim=-1, keepdim=True)).clamp(br.alpha_min, br.alpha_max)
+    alpha = torch.exp(torch.logsumexp(2 * logp, dim=-1)).clamp(br.alpha_min, br.alpha_max)
     if br.detach_alpha:
         alpha = alpha.detach()
     tiny = torch.finfo(torch.float32).tiny
-    log_a = torch.log(alpha.clamp_min(tiny))
-    log_1ma = torch.log((1 - alpha).clamp_min(tiny))
-    return torch.logaddexp(log_a + logp, log_1ma + logq)
+    return torch.log(alpha.clamp_min(tiny)), torch.log((1 - alpha).clamp_min(tiny))
+
+
+def _mean_branches(logq: Tensor) -> Tensor:
+    """log of the mean of the branches' distributions (branch axis first)."""
+    if logq.shape[0] == 1:
+        return logq[0]
+    return torch.logsumexp(logq, dim=0) - math.log(logq.shape[0])
+
+
+def mixture_log_probs(primary_logits: Tensor, branch_logits: Tensor, cfg: ModelConfig) -> Tensor:
+    """log(alpha * p + (1 - alpha) * mean_r q_r) over the vocabulary, in fp32 (for decoding)."""
+    logp = F.log_softmax(primary_logits.float(), dim=-1)
+    log_a, log_1ma = _alpha_logs(logp, cfg)
+    logq = _mean_branches(F.log_softmax(branch_logits.float(), dim=-1))
+    return torch.logaddexp(log_a[..., None] + logp, log_1ma[..., None] + logq)
+
+
+def mixture_nll(primary_logits: Tensor, branch_logits: Tensor, targets: Tensor, cfg: ModelConfig) -> Tensor:
+    """Mean -log(alpha p_y + (1 - alpha) q_y): ``mixture_log_probs`` at the targets, but mixing
+    only the gathered target entries, so that far fewer fp32 [B, T, V] tensors are kept for the
+    backward pass (they dominate the training memory)."""
+    logp = F.log_softmax(primary_logits.float(), dim=-1)
+    log_a, log_1ma = _alpha_logs(logp, cfg)
+    logp_y = logp.gather(-1, targets[..., None]).squeeze(-1)
+    bl = branch_logits.float()
+    idx = targets[None, ..., None].expand(bl.shape[0], *targets.shape, 1)
+    logq_y = _mean_branches(bl.gather(-1, idx).squeeze(-1) - torch.logsumexp(bl, dim=-1))
+    return -torch.logaddexp(log_a + logp_y, log_1ma + logq_y).mean()
 
 
 def readout_log_probs(primary_logits: Tensor, branch_logits: Tensor | None, cfg: ModelConfig) -> Tensor:
@@ -208,8 +230,7 @@ def readout_log_probs(primary_logits: Tensor, branch_logits: Tensor | None, cfg:
     if branch_logits is None:
         return F.log_softmax(primary_logits.float(), dim=-1)
     if cfg.branch.readout == "branch":
-        logq = F.log_softmax(branch_logits.float(), dim=-1)
-        return torch.logsumexp(logq, dim=0) - math.log(logq.shape[0])
+        return _mean_branches(F.log_softmax(branch_logits.float(), dim=-1))
     return mixture_log_probs(primary_logits, branch_logits, cfg)
 
 
@@ -217,5 +238,7 @@ def readout_nll(primary_logits: Tensor, branch_logits: Tensor | None, targets: T
                 cfg: ModelConfig) -> Tensor:
     if branch_logits is None:
         return F.cross_entropy(primary_logits.float().flatten(0, 1), targets.flatten())
+    if cfg.branch.readout == "mixture":
+        return mixture_nll(primary_logits, branch_logits, targets, cfg)
     logprobs = readout_log_probs(primary_logits, branch_logits, cfg)
     return -logprobs.gather(-1, targets[..., None]).mean()
