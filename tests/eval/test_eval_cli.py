@@ -1,0 +1,96 @@
+"""``archlab eval --tasks``: JSON and table output, --limit, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from archlab.cli import main
+from tests.eval.conftest import lambada_items, mc_items
+from tests.eval.test_tasks import PIQA, write_save_to_disk
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def ckpt(trained_model, tokenizer, tmp_path_factory) -> Path:
+    from archlab.config import RunConfig
+    from archlab.train.checkpoint import save_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    tokenizer.save(str(root / "tokenizer.json"))
+    cfg = RunConfig(model=trained_model.cfg)
+    cfg.train.seq_len = 32
+    return save_model(root / "model", trained_model, cfg.validate(), root / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def task_dir(words, tmp_path_factory) -> Path:
+    """piqa as JSONL (uniform fields), lambada as JSONL, hellaswag as a real-format folder."""
+    root = tmp_path_factory.mktemp("tasks")
+    with open(root / "piqa.jsonl", "w") as f:
+        for it in mc_items(words):
+            f.write(json.dumps({"context": it.context, "continuations": list(it.continuations), "gold": it.gold}) + "\n")
+    with open(root / "lambada.jsonl", "w") as f:
+        for it in lambada_items(words):
+            f.write(json.dumps({"context": it.context, "target": it.target}) + "\n")
+    write_save_to_disk(root / "arc_easy_bad", PIQA, "piqa")  # piqa rows where arc_easy is expected
+    return root
+
+
+def test_eval_tasks_json(ckpt, task_dir, capsys):
+    code, out, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), "--tasks", "piqa,lambada", "--task-dir",
+                             str(task_dir), "--json", "--device", "cpu")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["checkpoint"] == str(ckpt)
+    piqa, lam = res["tasks"]["piqa"], res["tasks"]["lambada"]
+    assert piqa["n"] == 14 and piqa["acc"] == 1.0 and piqa["acc_norm"] == 1.0 and piqa["acc_stderr"] == 0.0
+    assert lam["n"] == 16 and lam["acc"] == 1.0 and lam["ppl"] < 1.2
+
+
+def test_eval_tasks_limit_and_table(ckpt, task_dir, capsys):
+    code, out, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), "--tasks", "piqa", "--task-dir", str(task_dir),
+                             "--limit", "3", "--batch-size", "2", "--device", "cpu")
+    assert code == 0, err
+    assert "piqa" in out and "1.0000 ± 0.0000" in out
+    row = [line for line in out.splitlines() if "piqa" in line][0]
+    assert " 3 " in row
+
+
+def test_eval_task_errors_are_one_line(ckpt, task_dir, capsys):
+    cases = [
+        (["--tasks", "piqa,mmlu", "--task-dir", str(task_dir)], ["unknown task 'mmlu'"]),
+        (["--tasks", "hellaswag", "--task-dir", str(task_dir)], ["no data for task 'hellaswag'"]),
+        (["--tasks", f"arc_easy={task_dir / 'arc_easy_bad'}"], ["row 0", "question, choices, answerKey"]),
+        (["--tasks", "piqa", "--task-dir", str(task_dir / "missing")], ["does not exist"]),
+        (["--tasks", "piqa", "--task-dir", str(task_dir), "--limit", "0"], ["--limit must be positive"]),
+        (["--limit", "3"], ["apply to --tasks"]),
+    ]
+    for extra, words in cases:
+        code, out, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), *extra)
+        assert code == 1, (extra, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        for w in words:
+            assert w in lines[0], lines[0]
+
+
+def test_eval_tasks_needs_the_checkpoint_tokenizer(trained_model, task_dir, tmp_path, capsys):
+    from archlab.config import RunConfig
+    from archlab.train.checkpoint import save_model
+
+    cfg = RunConfig(model=trained_model.cfg)
+    cfg.train.seq_len = 32
+    bare = save_model(tmp_path / "bare", trained_model, cfg.validate())
+    code, _, err = run_cli(capsys, "eval", "--ckpt", str(bare), "--tasks", "piqa", "--task-dir", str(task_dir))
+    assert code == 1 and "no tokenizer.json" in err and len(err.strip().splitlines()) == 1
