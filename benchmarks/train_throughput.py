@@ -2,6 +2,13 @@
 
     PYTHONPATH=src python benchmarks/train_throughput.py --data DIR [--presets 124m,350m]
         [--variants baseline,decode-branch,attnres-triton] [--steps 20] [--warmup 8] [--no-compile]
+        [--profile VARIANT] [--json FILE]
+
+A variant name ending in ``/mb4`` runs with a quarter of the micro-batch and four times the
+gradient accumulation (same tokens per step), for variants whose activations do not fit
+otherwise (the eager reference routing). ``--profile VARIANT`` also profiles three steps of
+that variant with torch.profiler and prints where the GPU time goes by kernel category and
+how much of the step the GPU is busy at all (the rest is host and launch time).
 
 Runs ``archlab.train.trainer.Run.train_step`` (the exact step `archlab train` runs: bf16 autocast,
 fused AdamW, gradient clipping, the loader) on prepared data, times it with CUDA events after
@@ -32,17 +39,72 @@ VARIANTS = {
     "attnres-compile": ["model.residual.kind=attnres", "model.residual.impl=compile"],
     "attnres-triton": ["model.residual.kind=attnres", "model.residual.impl=triton"],
     "mhar4-triton": ["model.residual.kind=attnres", "model.residual.heads=4", "model.residual.impl=triton"],
+    "mhar8-triton": ["model.residual.kind=attnres", "model.residual.heads=8", "model.residual.impl=triton"],
     "block8-mhar4-triton": ["model.residual.kind=attnres", "model.residual.heads=4", "model.residual.blocks=8",
                             "model.residual.impl=triton"],
     "moe8x2": ["model.ffn=moe", "model.moe.n_experts=8", "model.moe.top_k=2"],
 }
 
 
+# Kernel-name fragments -> category, first match wins (names as the CUDA profiler reports them).
+CATEGORIES = [
+    ("routing fwd", ("_route_fwd",)),
+    ("routing bwd", ("_route_bwd", "_reduce_partials")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "matmul", "splitk")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("fused elementwise (inductor)", ("triton_",)),
+    ("copies", ("copy", "memcpy", "memset", "fill", "cat")),
+    ("elementwise (eager)", ("elementwise", "vectorized", "reduce", "add", "mul")),
+]
+
+
+def categorise(name: str) -> str:
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def profile_steps(run: Run, first_step: int, steps: int = 3) -> dict:
+    """GPU time per kernel category over ``steps`` steps, and the GPU-busy share of the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in range(first_step, first_step + steps):
+            run.train_step(s)
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    by_cat: dict[str, float] = {}
+    top: list[tuple[float, str]] = []
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = evt.self_device_time_total
+        if us <= 0:
+            continue
+        by_cat[categorise(evt.key)] = by_cat.get(categorise(evt.key), 0.0) + us / 1e3 / steps
+        top.append((us / 1e3 / steps, evt.key[:90]))
+    busy = sum(by_cat.values())
+    return {"wall_ms_per_step_profiled": wall_ms, "gpu_busy_ms_per_step": busy,
+            "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": sorted(top, reverse=True)[:15]}
+
+
 def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compile_: bool,
-            extra: list[str]) -> dict:
+            extra: list[str], profile: bool = False) -> dict:
+    name, micro4 = (variant[:-4], True) if variant.endswith("/mb4") else (variant, False)
     overrides = [f"data.path={data}", "train.device=cuda", f"train.compile={str(compile_).lower()}",
-                 *VARIANTS[variant], *extra]
+                 *VARIANTS[name], *extra]
     cfg = make_config(preset, overrides=overrides)
+    if micro4:
+        if cfg.train.batch_size % 4:
+            raise ValueError(f"/mb4 needs a batch size divisible by 4, got {cfg.train.batch_size}")
+        cfg.train.batch_size //= 4
+        cfg.train.grad_accum *= 4
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     run = Run(cfg, out_dir="/tmp/unused")
@@ -68,6 +130,8 @@ def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compi
            "step_ms": dt * 1e3, "step_ms_spread": (max(times) - min(times)) * 1e3, "tok_s": tok_s,
            "mfu": tok_s * flops / peak if peak else None, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
            "warmup_s": t_compile}
+    if profile:
+        res["profile"] = profile_steps(run, warmup + steps)
     del run
     return res
 
@@ -82,6 +146,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--set", action="append", default=[], dest="extra")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--profile", action="append", default=[], metavar="VARIANT",
+                    help="also profile this variant's step (repeatable)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("train_throughput: no CUDA device; nothing to measure")
@@ -90,7 +156,8 @@ def main() -> None:
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
             try:
-                r = measure(preset, variant, args.data, args.steps, args.warmup, not args.no_compile, args.extra)
+                r = measure(preset, variant, args.data, args.steps, args.warmup, not args.no_compile, args.extra,
+                            profile=variant in args.profile)
             except Exception as e:  # report and go on: one variant failing must not hide the rest
                 r = {"preset": preset, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(r)
@@ -107,6 +174,17 @@ def main() -> None:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"| {r['preset']} | {r['variant']} | {r['params_M']:.1f} | {r['tokens_per_step']} | {r['step_ms']:.1f} "
               f"| {r['tok_s']:,.0f} | {mfu} | {r['peak_GiB']:.1f} | {ratio} |")
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"\nprofile {r['preset']} {r['variant']}: step {p['wall_ms_per_step_profiled']:.1f} ms wall "
+                  f"(under the profiler), GPU busy {p['gpu_busy_ms_per_step']:.1f} ms")
+            print("| kernel category | GPU ms/step |\n|---|---|")
+            for cat, ms in p["by_category_ms"].items():
+                print(f"| {cat} | {ms:.2f} |")
+            print("top kernels (ms/step):")
+            for ms, key in p["top_kernels_ms"]:
+                print(f"  {ms:7.2f}  {key}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

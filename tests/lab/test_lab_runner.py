@@ -206,3 +206,55 @@ def test_one_compare_per_suite_directory(tmp_path: Path) -> None:
                 pass
     with suite_lock(tmp_path):  # released
         pass
+
+
+def test_parallel_jobs_give_the_sequential_results(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "seq", costs_fn=fake_costs)
+    with ResultStore(tmp_path / "seq" / DB_NAME) as store:
+        out = run_suite(plan, store, list(plan.runs), train_fn=FakeTrainer(), console=quiet())
+    assert out.finished == 7
+    par_plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "par", costs_fn=fake_costs)
+    with ResultStore(tmp_path / "par" / DB_NAME) as store:
+        out = run_suite(par_plan, store, list(par_plan.runs), train_fn=FakeTrainer(diverge=("same",)),
+                        console=quiet(), jobs=3)
+    assert (out.finished, out.diverged, out.interrupted) == (5, 2, None)
+    seq, par = snapshot(tmp_path / "seq" / DB_NAME), snapshot(tmp_path / "par" / DB_NAME)
+    assert set(par) < set(seq)  # the same run ids (the directory is not part of them) ...
+    for run_id, row in par.items():  # ... and the same final losses and curves
+        assert row[2] == seq[run_id][2] and row[4] == seq[run_id][4]
+    with ResultStore(tmp_path / "par" / DB_NAME, create=False) as store:
+        assert sorted(r.status for r in store.runs()) == ["diverged"] * 2 + ["finished"] * 5
+
+
+def test_parallel_jobs_stop_short_and_resume(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
+    with ResultStore(tmp_path / "o" / DB_NAME) as store:
+        out = run_suite(plan, store, list(plan.runs), train_fn=FakeTrainer(), console=quiet(),
+                        stop_after_steps=15, jobs=2)
+        assert out.finished == 0 and out.interrupted is not None
+        assert sum(r.status == "running" for r in store.runs()) == 2  # no new run started after a stop
+        out = run_suite(plan, store, list(plan.runs), train_fn=FakeTrainer(), console=quiet(), jobs=2)
+        assert out.finished == 7
+
+
+def test_compare_jobs_must_be_positive(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "archlab.cli", "compare", str(write_suite(tmp_path)),
+                           "--jobs", "0", "--dry-run"], capture_output=True, text=True, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 2 and "--jobs: must be at least 1" in proc.stderr
+
+
+def test_recipe_data_is_prepared_from_the_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import archlab.data.recipes as recipes
+
+    opened: list[tuple[str, int | None]] = []
+    monkeypatch.setattr(recipes, "open_recipe",
+                        lambda name, max_bytes=None: opened.append((name, max_bytes)) or f"<{name} source>")
+    text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
+        "budget:", "data: {recipe: shakespeare, max_mb: 2}\nbudget:")
+    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    prep = FakePrepare()
+    run_suite(plan, ResultStore(tmp_path / "o" / DB_NAME), list(plan.runs[:1]), train_fn=FakeTrainer(),
+              prepare_fn=prep, console=quiet())
+    assert opened == [("shakespeare", 2_000_000)]
+    assert prep.calls == [dict(source="<shakespeare source>", max_bytes=None, vocab_size=4096,
+                               out_dir=tmp_path.resolve() / "o" / "data" / "shakespeare-2MB-v4096")]

@@ -113,6 +113,10 @@ BAD = [
     (SUITE_YAML.replace("model.init_std: 0.01", "train.seed: 4"), "train.seed is set by the suite"),
     (SUITE_YAML.replace("tokens: 81920", "tokens: 2048"), "warmup_steps"),
     (SUITE_YAML.replace("  same:", "  llama:"), "cannot share the baseline's name"),
+    (SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
+        "budget:", "data: {recipe: en-mix, source: stdlib}\nbudget:"), "data.recipe: give either source or recipe"),
+    (SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
+        "budget:", "data: {recipe: en-mixx}\nbudget:"), "data.recipe: unknown recipe 'en-mixx'"),
 ]
 
 

@@ -44,6 +44,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="override a key of every run's config, e.g. --set train.device=cpu (repeatable)")
     c.add_argument("--variants", metavar="A,B",
                    help="train only these variants now (and the baseline); the report covers the suite")
+    c.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="train N runs at once, each in its own process (small models leave a GPU "
+                        "mostly idle; default: 1)")
     c.add_argument("--no-resume", action="store_true",
                    help="start over: move the suite directory's results and runs aside (needs --force "
                         "when there are any)")
@@ -54,6 +57,16 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                               description="Build the report of a suite from its results database.")
     r.add_argument("dir", type=Path, help="suite directory (holds results.sqlite)")
     r.set_defaults(func=run_report)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _start_over(out: Path, force: bool, console: Console) -> None:
@@ -106,13 +119,14 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
         console.print(summary, highlight=False)
         for job in plan.data_jobs:
             if not job.path.exists():
-                console.print(f"will prepare {job.source} (vocab {job.vocab_size}) into {job.path}")
+                console.print(f"will prepare {job.describe()} (vocab {job.vocab_size}) into {job.path}")
         return 0
     with suite_lock(plan.out_dir):
         if args.no_resume:
             _start_over(plan.out_dir, args.force, console)
         with ResultStore(plan.out_dir / DB_NAME) as store:
-            outcome = run_suite(plan, store, runs, train_fn=train_fn, prepare_fn=prepare_fn, console=console)
+            outcome = run_suite(plan, store, runs, train_fn=train_fn, prepare_fn=prepare_fn, console=console,
+                                jobs=getattr(args, "jobs", 1))
         md, html = write_report(plan.out_dir)
     print_report(plan.out_dir, console)
     console.print(f"{outcome.finished} runs trained, {outcome.skipped} already done"

@@ -53,9 +53,13 @@ class DataJob:
     """A corpus the suite prepares into its own directory when missing."""
 
     path: Path
-    source: str
+    source: str  # a ``prepare`` source spec; unused when ``recipe`` is set
     vocab_size: int
     max_bytes: int | None
+    recipe: str | None = None  # a corpus recipe (``archlab data recipes``) instead of ``source``
+
+    def describe(self) -> str:
+        return f"recipe {self.recipe}" if self.recipe is not None else self.source
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ def data_dir_name(suite: Suite, vocab_size: int) -> str:
     (source, size, vocabulary) is in it, so changing any of them prepares new data and, through
     data.path, gives new run ids instead of silently reusing results on other data."""
     assert suite.data is not None
-    source = suite.data.source
+    source = suite.data.recipe or suite.data.source
     slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", source).strip("_.")[-40:] or "data"
     if slug != source:  # a path or pattern: keep it readable, and unique through a hash
         slug += "-" + hashlib.sha256(source.encode()).hexdigest()[:8]
@@ -224,8 +228,8 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
         max_bytes = None if suite.data.max_mb is None else int(suite.data.max_mb * 1_000_000)
         for r in runs:
             path = Path(r.config.data.path)
-            jobs[path] = DataJob(path=path, source=suite.data.source,
-                                 vocab_size=r.config.model.vocab_size, max_bytes=max_bytes)
+            jobs[path] = DataJob(path=path, source=suite.data.source, vocab_size=r.config.model.vocab_size,
+                                 max_bytes=max_bytes, recipe=suite.data.recipe)
     return Plan(suite=suite, out_dir=out_dir, overrides=tuple(overrides), runs=tuple(runs),
                 data_jobs=tuple(jobs.values()))
 

@@ -9,7 +9,10 @@ any moment leaves either a finished row or a resumable run, never a half-recorde
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import fcntl
+import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -29,7 +32,7 @@ import archlab
 from archlab.config import RunConfig
 from archlab.errors import ArchlabError, TrainingDiverged
 from archlab.lab.fmt import duration, si
-from archlab.lab.plan import Plan, PlannedRun
+from archlab.lab.plan import DataJob, Plan, PlannedRun
 from archlab.lab.store import ResultStore, RunRow, RunStart, TrainOutcome
 
 RUNS_DIR = "runs"
@@ -63,6 +66,19 @@ def _real_prepare() -> PrepareFn:
     from archlab.data.prepare import prepare
 
     return prepare
+
+
+def prepare_job(job: DataJob, prepare_fn: PrepareFn | None = None) -> None:
+    """Prepare one suite corpus: a ``prepare`` source spec, or a recipe fetched from its registry."""
+    prep = prepare_fn or _real_prepare()
+    source: Any = job.source
+    if job.recipe is not None:
+        from archlab.data.recipes import open_recipe
+
+        source = open_recipe(job.recipe, max_bytes=job.max_bytes)
+        prep(source=source, out_dir=job.path, vocab_size=job.vocab_size, max_bytes=None)
+        return
+    prep(source=source, out_dir=job.path, vocab_size=job.vocab_size, max_bytes=job.max_bytes)
 
 
 def code_revision() -> str:
@@ -133,66 +149,172 @@ def make_progress(console: Console) -> Progress:
 
 def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_fn: TrainFn | None = None,
               prepare_fn: PrepareFn | None = None, console: Console | None = None,
-              stop_after_steps: int | None = None) -> SuiteOutcome:
+              stop_after_steps: int | None = None, jobs: int = 1) -> SuiteOutcome:
     """Train every run of ``runs`` that is not finished, in order, recording each in ``store``.
 
     ``stop_after_steps`` is passed to the trainer (a time-boxed session, or a test of resuming);
     a run that comes back short of its planned steps stays ``running`` and the suite stops there.
     ``TrainingDiverged`` marks the run diverged (a result: the variant is unstable at this
     setting) and the suite goes on; any other error propagates, leaving the run resumable.
+    ``jobs > 1`` trains that many runs at once, each in its own process (see ``_run_parallel``).
     """
     console = console or Console()
-    train = train_fn or _real_train()
     store.set_meta("plan", plan.meta())
     todo = [r for r in runs if not is_done(store.get(r.run_id))]
     skipped = len(runs) - len(todo)
     if skipped:
         console.print(f"[dim]{skipped} of {len(runs)} runs already done; skipping them[/dim]")
     needed = {Path(r.config.data.path) for r in todo}
-    jobs = [j for j in plan.data_jobs if j.path in needed and not j.path.exists()]
-    if jobs:
-        prep = prepare_fn or _real_prepare()
-        for job in jobs:
-            console.print(f"preparing {job.source} (vocab {job.vocab_size}) into {job.path}")
-            prep(source=job.source, out_dir=job.path, vocab_size=job.vocab_size, max_bytes=job.max_bytes)
+    for job in plan.data_jobs:
+        if job.path in needed and not job.path.exists():
+            console.print(f"preparing {job.describe()} (vocab {job.vocab_size}) into {job.path}")
+            prepare_job(job, prepare_fn)
     revision = code_revision()
-    finished = diverged = 0
     with make_progress(console) as progress:
         overall = progress.add_task(f"suite {plan.suite.name}", total=len(runs), completed=skipped)
+        if jobs > 1 and len(todo) > 1:
+            return _run_parallel(plan, store, todo, skipped, revision, progress, overall, train_fn,
+                                 stop_after_steps, jobs)
+        train = train_fn or _real_train()
+        finished = diverged = 0
         for run in todo:
             progress.update(overall, description=f"suite {plan.suite.name}: {run.label} seed {run.init_seed}")
-            store.start_run(RunStart(
-                run_id=run.run_id, suite=plan.suite.name, label=run.label, role=run.role,
-                init_seed=run.init_seed, data_seed=run.data_seed, config=run.config.to_dict(),
-                config_hash=run.config_hash, code_revision=revision, planned_tokens=run.tokens,
-                planned_steps=run.steps, costs=run.costs, cost_context=run.cost_context))
+            _start_row(store, plan, run, revision)
             try:
                 result = train(run.config, plan.out_dir / RUNS_DIR / run.run_id, resume=True,
                                progress=progress, stop_after_steps=stop_after_steps)
             except TrainingDiverged as e:
-                store.mark_diverged(run.run_id, str(e))
+                _record_diverged(store, run, e, progress, overall)
                 diverged += 1
-                _end_run(progress, overall, f"[red]{run.label} seed {run.init_seed} diverged[/red]: {e}")
                 continue
-            if result.steps < run.steps:
-                _end_run(progress, overall, f"{run.label} seed {run.init_seed} stopped at step "
-                                            f"{result.steps} of {run.steps}; run compare again to continue it")
+            if not _record_result(store, plan, run, result, progress, overall):
                 return SuiteOutcome(skipped, finished, diverged, run.run_id)
-            loss, bpb = final_metrics(result.val_curve, plan.suite.eval.last_k,
-                                      (result.final_val_loss, result.final_val_bpb))
-            store.finish_run(run.run_id, result, final_val_loss=loss, final_val_bpb=bpb)
             finished += 1
-            _end_run(progress, overall, f"{run.label} seed {run.init_seed}: val loss {loss:.4f} "
-                                        f"({bpb:.4f} bits/byte), {si(result.tokens)} tokens, "
-                                        f"{result.tokens_per_s:,.0f} tok/s, {duration(result.wall_s)}")
     return SuiteOutcome(skipped, finished, diverged, None)
 
 
-def _end_run(progress: Progress, overall: TaskID, message: str) -> None:
-    """Replace the trainer's live task(s) by one line, so a long suite's display stays short."""
-    for task in list(progress.task_ids):
-        if task != overall:
-            progress.remove_task(task)
+def _start_row(store: ResultStore, plan: Plan, run: PlannedRun, revision: str) -> None:
+    store.start_run(RunStart(
+        run_id=run.run_id, suite=plan.suite.name, label=run.label, role=run.role,
+        init_seed=run.init_seed, data_seed=run.data_seed, config=run.config.to_dict(),
+        config_hash=run.config_hash, code_revision=revision, planned_tokens=run.tokens,
+        planned_steps=run.steps, costs=run.costs, cost_context=run.cost_context))
+
+
+def _record_diverged(store: ResultStore, run: PlannedRun, err: TrainingDiverged, progress: Progress,
+                     overall: TaskID, task: TaskID | None = None) -> None:
+    store.mark_diverged(run.run_id, str(err))
+    _end_run(progress, overall, f"[red]{run.label} seed {run.init_seed} diverged[/red]: {err}", task)
+
+
+def _record_result(store: ResultStore, plan: Plan, run: PlannedRun, result: TrainOutcome, progress: Progress,
+                   overall: TaskID, task: TaskID | None = None) -> bool:
+    """Mark the run finished (True) or, when it stopped short of its steps, leave it resumable."""
+    if result.steps < run.steps:
+        _end_run(progress, overall, f"{run.label} seed {run.init_seed} stopped at step "
+                                    f"{result.steps} of {run.steps}; run compare again to continue it", task)
+        return False
+    loss, bpb = final_metrics(result.val_curve, plan.suite.eval.last_k,
+                              (result.final_val_loss, result.final_val_bpb))
+    store.finish_run(run.run_id, result, final_val_loss=loss, final_val_bpb=bpb)
+    _end_run(progress, overall, f"{run.label} seed {run.init_seed}: val loss {loss:.4f} "
+                                f"({bpb:.4f} bits/byte), {si(result.tokens)} tokens, "
+                                f"{result.tokens_per_s:,.0f} tok/s, {duration(result.wall_s)}", task)
+    return True
+
+
+def _train_worker(train_fn: TrainFn | None, cfg: RunConfig, out_dir: Path,
+                  stop_after_steps: int | None) -> TrainOutcome:
+    """One run in a worker process. The parent draws the progress, so the real trainer is quiet."""
+    if train_fn is None:
+        from archlab.train.trainer import train
+
+        return train(cfg, out_dir, resume=True, stop_after_steps=stop_after_steps, show_progress=False)
+    return train_fn(cfg, out_dir, resume=True, progress=None, stop_after_steps=stop_after_steps)
+
+
+def _latest_train_record(run_dir: Path) -> dict[str, Any] | None:
+    """The last ``train`` line of a run's metrics.jsonl (what a worker has logged so far)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+        if rec.get("kind") == "train":
+            return rec
+    return None
+
+
+def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skipped: int, revision: str,
+                  progress: Progress, overall: TaskID, train_fn: TrainFn | None,
+                  stop_after_steps: int | None, jobs: int) -> SuiteOutcome:
+    """Train up to ``jobs`` runs at once, each in a fresh (spawned) process.
+
+    Small models leave a GPU mostly idle between kernel launches, so several runs side by side
+    finish a suite sooner; each run is still exactly the run ``jobs=1`` would train (its own
+    seeds, data order and directory). This process alone writes the database; workers report
+    progress through their metrics.jsonl, which is polled here for the progress bars.
+    """
+    finished = diverged = 0
+    interrupted: str | None = None
+    error: BaseException | None = None
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        pending: dict[cf.Future[TrainOutcome], tuple[PlannedRun, TaskID]] = {}
+        queue = list(todo)
+
+        def submit() -> None:
+            while queue and len(pending) < jobs and error is None:
+                run = queue.pop(0)
+                _start_row(store, plan, run, revision)
+                task = progress.add_task(f"{run.label} seed {run.init_seed}", total=run.steps, loss="-",
+                                         tok_s="-")
+                fut = pool.submit(_train_worker, train_fn, run.config, plan.out_dir / RUNS_DIR / run.run_id,
+                                  stop_after_steps)
+                pending[fut] = (run, task)
+
+        submit()
+        while pending:
+            done, _ = cf.wait(pending, timeout=2.0, return_when=cf.FIRST_COMPLETED)
+            for fut, (run, task) in pending.items():
+                if fut not in done:
+                    rec = _latest_train_record(plan.out_dir / RUNS_DIR / run.run_id)
+                    if rec is not None:
+                        progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.3f}",
+                                        tok_s=f"{rec['tokens_per_s']:,.0f}")
+            for fut in done:
+                run, task = pending.pop(fut)
+                try:
+                    result = fut.result()
+                except TrainingDiverged as e:
+                    _record_diverged(store, run, e, progress, overall, task)
+                    diverged += 1
+                    continue
+                except BaseException as e:  # noqa: BLE001 - re-raised once the running runs end
+                    progress.remove_task(task)
+                    error = error or e
+                    continue
+                if _record_result(store, plan, run, result, progress, overall, task):
+                    finished += 1
+                else:
+                    interrupted = interrupted or run.run_id
+            if interrupted is None:
+                submit()
+    if error is not None:
+        raise error
+    return SuiteOutcome(skipped, finished, diverged, interrupted)
+
+
+def _end_run(progress: Progress, overall: TaskID, message: str, task: TaskID | None = None) -> None:
+    """Replace the run's live task (every task but the suite's when ``task`` is None: the trainer
+    adds its own) by one line, so a long suite's display stays short."""
+    for t in list(progress.task_ids):
+        if t != overall and (task is None or t == task):
+            progress.remove_task(t)
     progress.advance(overall)
     progress.console.print(message, highlight=False)
 

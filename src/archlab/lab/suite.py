@@ -12,7 +12,8 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
     preset: tiny                  # archlab.config preset under everything else
     base: {train: {...}, model: {...}}   # nested overrides of the preset, for every run
     data: {source: stdlib, max_mb: 4}    # optional: prepare this corpus into <suite>/data/
-                                         #   <source>-v<vocab> when missing (sets data.path)
+                                         #   <source>-v<vocab> when missing (sets data.path);
+                                         #   {recipe: en-mix} prepares a corpus recipe instead
     budget:
       tokens: 409600              # training tokens of the baseline run
       match: iso-token            # or iso-flop: a variant trains budget * F_base / F_variant
@@ -47,7 +48,7 @@ from typing import Any, Literal, NoReturn
 import yaml
 
 from archlab.config import PRESETS, load_yaml, parse_override
-from archlab.errors import ConfigError
+from archlab.errors import ArchlabError, ConfigError
 
 Match = Literal["iso-token", "iso-flop"]
 _MATCHES: tuple[str, ...] = ("iso-token", "iso-flop")
@@ -83,6 +84,7 @@ class DataSpec:
 
     source: str  # any source spec of ``archlab data prepare`` (stdlib, a path, ...)
     max_mb: float | None  # MB = 10^6 bytes; None = prepare's default, 0 = the whole source
+    recipe: str | None = None  # or a corpus recipe (``archlab data recipes``), fetched when missing
 
 
 @dataclass(frozen=True)
@@ -231,12 +233,24 @@ def parse_suite(data: Any, *, origin: str, default_name: str) -> Suite:
     base = top.get("base", dict, {})
 
     data_spec = None
-    d = top.sub("data", ("source", "max_mb"))
+    d = top.sub("data", ("source", "recipe", "max_mb"))
     if d is not None:
         max_mb = d.get("max_mb", float, None)
         if max_mb is not None and max_mb < 0:
             d.fail("max_mb", f"must be >= 0 (0 = the whole source), got {max_mb}")
-        data_spec = DataSpec(source=d.get("source", str), max_mb=max_mb)
+        recipe = d.get("recipe", str, None)
+        if recipe is not None:
+            if d.data.get("source") is not None:
+                d.fail("recipe", "give either source or recipe, not both")
+            from archlab.data.recipes import get_recipe
+
+            try:
+                get_recipe(recipe)
+            except ArchlabError as e:
+                d.fail("recipe", str(e))
+            data_spec = DataSpec(source=f"recipe:{recipe}", max_mb=max_mb, recipe=recipe)
+        else:
+            data_spec = DataSpec(source=d.get("source", str), max_mb=max_mb)
 
     b = top.sub("budget", ("tokens", "match"))
     if b is None:
