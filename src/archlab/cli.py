@@ -73,26 +73,18 @@ def cmd_eval(args) -> int:
         from archlab.eval.tasks import load_tasks
         tasks = load_tasks(args.tasks, args.task_dir, args.limit)
     device = resolve_device(args.device)
-    model, cfg, ckpt = load_model(args.ckpt, device)
     if args.tasks:
         from rich.console import Console
 
-        from archlab.data.tokenizer import load_tokenizer
-        from archlab.eval.harness import Scorer, evaluate_items, results_table
+        from archlab.eval.harness import evaluate_checkpoint, results_table
 
-        tok_path = ckpt / "tokenizer.json"
-        if not tok_path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json; cannot encode task text")
-        tok = load_tokenizer(tok_path)
-        model.eval()
-        scorer = Scorer(model, tok, batch_size=args.batch_size, device=device)
-        with torch.no_grad():
-            results = {name: evaluate_items(name, items, scorer) for name, items in tasks.items()}
+        results, ckpt = evaluate_checkpoint(args.ckpt, tasks, device=device, batch_size=args.batch_size)
         if args.json:
             print(json.dumps({"checkpoint": str(ckpt), "tasks": results}, indent=1))
         else:
             Console().print(results_table(results, title=f"zero-shot accuracy of {ckpt}"))
         return 0
+    model, cfg, ckpt = load_model(args.ckpt, device)
     data = TokenData(args.data or cfg.data.path)
     data.check_model_vocab(cfg.model.vocab_size)
     _check_tokenizer_matches(ckpt, data)

@@ -94,3 +94,19 @@ def test_eval_tasks_needs_the_checkpoint_tokenizer(trained_model, task_dir, tmp_
     bare = save_model(tmp_path / "bare", trained_model, cfg.validate())
     code, _, err = run_cli(capsys, "eval", "--ckpt", str(bare), "--tasks", "piqa", "--task-dir", str(task_dir))
     assert code == 1 and "no tokenizer.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_evaluate_checkpoint_matches_the_cli(ckpt, task_dir, capsys):
+    """The shared code path (``archlab eval --tasks`` and the lab's suites): same numbers, and a
+    progress callback that counts every scored request."""
+    from archlab.eval.harness import evaluate_checkpoint, n_requests
+    from archlab.eval.tasks import load_tasks
+
+    loaded = load_tasks("piqa,lambada", task_dir, 5)
+    seen: list[int] = []
+    results, where = evaluate_checkpoint(ckpt, loaded, batch_size=3, progress=seen.append)
+    assert where == ckpt and sum(seen) == sum(n_requests(v) for v in loaded.values()) == 5 * 3 + 5
+    code, out, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), "--tasks", "piqa,lambada", "--task-dir",
+                             str(task_dir), "--limit", "5", "--json", "--device", "cpu")
+    assert code == 0, err
+    assert json.loads(out)["tasks"] == json.loads(json.dumps(results))

@@ -255,6 +255,34 @@ def test_triton_backward_is_deterministic(routing_triton: ModuleType) -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("src_dtype,acc_dtype", [(torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_triton_backward_accumulates_in_place(routing_triton: ModuleType, src_dtype: torch.dtype,
+                                              acc_dtype: torch.dtype) -> None:
+    """``accumulate_into`` adds the source gradients to what the buffer holds (a view into a
+    larger buffer, as the model passes it); the query and gain gradients are unchanged."""
+    n, m, d, heads = 5, 33, 48, 4
+    sources, query, gain, dout = make_inputs(n, m, d, seed=31, dtype=src_dtype)
+    dout = dout.to(src_dtype)
+    _, alpha = routing_triton._route_forward(sources, query, gain, heads, EPS)
+    want, dquery, dgain = routing_triton._route_backward(sources, query, gain, alpha, dout, heads, EPS)
+    big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(32)).to(acc_dtype)
+    prior = big[:n].clone()
+    got, dquery2, dgain2 = routing_triton._route_backward(sources, query, gain, alpha, dout, heads, EPS,
+                                                          accumulate_into=big[:n])
+    assert got.data_ptr() == big.data_ptr() and got.dtype == acc_dtype
+    assert torch.equal(dquery2, dquery) and torch.equal(dgain2, dgain)
+    if src_dtype == acc_dtype == torch.float32:  # the same fp32 add, in the kernel or here
+        assert torch.equal(got, prior + want)
+    else:  # the fp32 sum rounded once to the buffer's dtype; ``want`` was rounded to the sources'
+        total = prior.float() + want.float()
+        tol = torch.finfo(acc_dtype).eps * total.abs() + torch.finfo(src_dtype).eps * want.float().abs()
+        assert ((got.float() - total).abs() <= tol).all()
+    assert rel_err(want, grads(route_reference, sources, query, gain, heads, dout)[2]) < 1e-2
+
+
 # ----------------------------------------------------------------------------------------------
 # Dispatcher
 # ----------------------------------------------------------------------------------------------

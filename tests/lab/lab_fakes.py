@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from archlab.config import ModelConfig, RunConfig
-from archlab.errors import TrainingDiverged
+from archlab.errors import CheckpointError, TrainingDiverged
 from archlab.train.trainer import TrainResult
 
 
@@ -142,3 +142,57 @@ def write_suite(dir_: Path, text: str = SUITE_YAML, name: str = "suite.yaml") ->
     path = dir_ / name
     path.write_text(text)
     return path
+
+
+def fake_accuracy(cfg: RunConfig, task: str) -> float:
+    """A run's downstream accuracy: better with a lower init_std (like ``fake_loss``), plus noise."""
+    rng = random.Random(f"{cfg.hash()}/{task}")
+    return min(1.0, max(0.0, 0.5 - 5.0 * (cfg.model.init_std - 0.02) + rng.gauss(0.0, 0.005)))
+
+
+class FakeEval:
+    """Callable with ``archlab.lab.runner.evaluate_run``'s signature; records (run directory name,
+    tasks) per call. A run without a checkpoint is a ``CheckpointError``, as with the real one.
+    ``fail_on=k``: the k-th call raises ``KeyboardInterrupt`` (an evaluation killed half-way)."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.fail_on = fail_on
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def __call__(self, run_dir: Path, cfg: RunConfig, tasks: dict[str, list[Any]], *,
+                 progress: Any = None) -> dict[str, dict[str, Any]]:
+        self.calls.append((Path(run_dir).name, sorted(tasks)))
+        if self.fail_on == len(self.calls):
+            raise KeyboardInterrupt
+        if not (Path(run_dir) / "ckpt" / "latest").is_file():
+            raise CheckpointError(f"{str(run_dir)!r} holds no checkpoint (no state.json or ckpt/latest)")
+        out: dict[str, dict[str, Any]] = {}
+        for name, items in tasks.items():
+            n, acc = len(items), fake_accuracy(cfg, name)
+            if progress is not None:
+                progress(n)
+            out[name] = {"acc": acc, "acc_stderr": math.sqrt(acc * (1 - acc) / n), "n": n}
+            if name == "lambada":
+                out[name]["ppl"] = 40.0
+            else:
+                out[name].update(acc_norm=acc + 0.01, acc_norm_stderr=math.sqrt(acc * (1 - acc) / n))
+        return out
+
+
+def write_tasks(dir_: Path) -> Path:
+    """piqa (uniform JSONL, 14 items) and lambada (JSONL, 16 items) from the eval tests' sentence."""
+    from tests.eval.conftest import lambada_items, mc_items, stdlib_sentence
+
+    words = stdlib_sentence().split(" ")
+    dir_.mkdir(parents=True, exist_ok=True)
+    with open(dir_ / "piqa.jsonl", "w") as f:
+        for it in mc_items(words):
+            row = {"context": it.context, "continuations": list(it.continuations), "gold": it.gold}
+            f.write(json.dumps(row) + "\n")
+    with open(dir_ / "lambada.jsonl", "w") as f:
+        for it in lambada_items(words):
+            f.write(json.dumps({"context": it.context, "target": it.target}) + "\n")
+    return dir_
+
+
+DOWNSTREAM_EVAL = "eval: {last_k: 2, tasks: [piqa, lambada], task_dir: tasks, limit: 5}\n"

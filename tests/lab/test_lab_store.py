@@ -90,6 +90,45 @@ def test_refuses_foreign_and_newer_files(tmp_path: Path) -> None:
         ResultStore(tmp_path / "missing.sqlite", create=False)
 
 
+def test_migrates_a_v1_database(tmp_path: Path) -> None:
+    """A v1 file (runs and meta only) opens as the current version with every row intact, and takes
+    downstream results; the migration changes nothing already stored."""
+    from archlab.lab.store import _SCHEMA_V1
+
+    db = tmp_path / "v1.sqlite"
+    with ResultStore(tmp_path / "scratch.sqlite") as store:  # rows as a v1 writer stored them
+        store.start_run(start("a"))
+        store.finish_run("a", result(), final_val_loss=2.5, final_val_bpb=1.1)
+        store.start_run(start("b"))
+        store.set_meta("plan", {"x": 1})
+    raw = sqlite3.connect(db, isolation_level=None)
+    for stmt in _SCHEMA_V1:
+        raw.execute(stmt)
+    raw.execute(f"ATTACH DATABASE '{tmp_path / 'scratch.sqlite'}' AS old")
+    raw.execute("INSERT INTO main.runs SELECT * FROM old.runs")
+    raw.execute("INSERT INTO main.meta SELECT * FROM old.meta")
+    raw.execute("DETACH DATABASE old")
+    raw.execute("PRAGMA user_version = 1")
+    raw.close()
+
+    with ResultStore(db, create=False) as store:
+        assert store.get("a").final_val_loss == 2.5 and store.get("b").status == "running"
+        assert store.get_meta("plan") == {"x": 1} and store.downstream() == []
+        store.add_downstream("a", {"piqa": {"acc": 0.5, "acc_stderr": 0.1, "acc_norm": 0.6, "acc_norm_stderr": 0.1,
+                                            "n": 25}}, limit=None, sources={"piqa": "/t/piqa.jsonl"})
+        with pytest.raises(sqlite3.IntegrityError, match="finished run"):
+            store.add_downstream("b", {"piqa": {"acc": 0.5, "acc_stderr": 0.1, "n": 25}}, limit=None)
+        (d,) = store.downstream("a")
+        assert (d.task, d.limit, d.n, d.value, d.metric) == ("piqa", None, 25, 0.6, "acc_norm")
+        assert d.source == "/t/piqa.jsonl"
+        assert store.integrity_ok()
+    raw = sqlite3.connect(db)
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    with pytest.raises(sqlite3.IntegrityError, match="never"):
+        raw.execute("UPDATE runs SET final_val_loss = 0 WHERE run_id = 'a'")  # v1's triggers still hold
+    raw.close()
+
+
 # A writer that finishes run "b" with a curve of several MB (so pages spill to the WAL before the
 # commit) and is stopped inside that transaction, just before COMMIT, by the trace callback.
 WRITER_MID_TRANSACTION = """

@@ -10,7 +10,7 @@ import pytest
 
 from archlab.errors import ConfigError
 from archlab.lab.plan import build_plan, select
-from archlab.lab.suite import builtin_suites, load_suite
+from archlab.lab.suite import builtin_suites, load_suite, parse_suite
 from tests.lab.lab_fakes import SUITE_YAML, fake_costs, write_suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +92,33 @@ def test_managed_data_path_is_inside_the_suite_dir_and_portable(tmp_path: Path) 
     assert name.startswith("corpus_.txt-") and name.endswith("-2MB-v4096") and "/" not in name
 
 
+def _with_eval(extra: str) -> str:
+    return SUITE_YAML.replace("eval: {last_k: 2}", "eval: {last_k: 2, " + extra + "}")
+
+
+def test_downstream_eval_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_suite(write_suite(tmp_path)).eval.tasks == ()  # default: no downstream evaluation
+    sub = tmp_path / "suites"
+    sub.mkdir()
+    suite = load_suite(write_suite(sub, _with_eval("tasks: [piqa, lambada], task_dir: ../olmo, limit: 50")))
+    assert suite.eval.tasks == ("piqa", "lambada") and suite.eval.limit == 50
+    assert Path(suite.eval.task_dir).resolve() == (tmp_path / "olmo").resolve()  # relative to the suite file
+    stored = suite.to_dict()["eval"]
+    assert stored["tasks"] == ["piqa", "lambada"] and stored["limit"] == 50 and isinstance(stored["task_dir"], str)
+    suite = load_suite(write_suite(sub, _with_eval("tasks: ' hellaswag,arc_easy , winogrande'")))
+    assert suite.eval.tasks == ("hellaswag", "arc_easy", "winogrande")
+    assert suite.eval.task_dir is None and suite.eval.limit is None  # $ARCHLAB_TASK_DIR, every item
+    assert load_suite(write_suite(sub, _with_eval(f"tasks: piqa, task_dir: {tmp_path}"))).eval.task_dir == str(tmp_path)
+    # A built-in suite (no file directory) resolves against the working directory.
+    monkeypatch.chdir(tmp_path)
+    data = {"budget": {"tokens": 1000}, "eval": {"tasks": ["piqa"], "task_dir": "t"}}
+    assert parse_suite(data, origin="built-in suite x", default_name="x").eval.task_dir == str(tmp_path / "t")
+    # Tasks do not change what is trained: the same run ids with or without them.
+    with_tasks = build_plan(suite, tmp_path / "o", costs_fn=fake_costs)
+    without = build_plan(load_suite(write_suite(sub)), tmp_path / "o", costs_fn=fake_costs)
+    assert [r.run_id for r in with_tasks.runs] == [r.run_id for r in without.runs]
+
+
 def test_select_variants(tmp_path: Path) -> None:
     plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
     assert {r.label for r in select(plan, ["same"])} == {"llama", "same"}
@@ -117,6 +144,17 @@ BAD = [
         "budget:", "data: {recipe: en-mix, source: stdlib}\nbudget:"), "data.recipe: give either source or recipe"),
     (SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
         "budget:", "data: {recipe: en-mixx}\nbudget:"), "data.recipe: unknown recipe 'en-mixx'"),
+    (_with_eval("tasks: [piqa, mmlu]"), "eval.tasks: unknown task 'mmlu'; known tasks: hellaswag, piqa"),
+    (_with_eval("tasks: 'piqa,mmlu'"), "eval.tasks: unknown task 'mmlu'"),
+    (_with_eval("tasks: [piqa, 3]"), "eval.tasks: expected task names"),
+    (_with_eval("tasks: {piqa: 1}"), "eval.tasks: expected list or str"),
+    (_with_eval("tasks: [piqa, piqa]"), "eval.tasks: has repeated tasks"),
+    (_with_eval("tasks: [piqa], limit: 0"), "eval.limit: must be positive"),
+    (_with_eval("tasks: [piqa], limit: 2.5"), "eval.limit: expected int"),
+    (_with_eval("tasks: [piqa], task_dir: 7"), "eval.task_dir: expected str"),
+    (_with_eval("limit: 10"), "eval.limit: applies to eval.tasks"),
+    (_with_eval("task_dir: olmo"), "eval.task_dir: applies to eval.tasks"),
+    (_with_eval("taks: [piqa]"), "eval.taks: unknown key; allowed here: every, batches, last_k, alpha, tasks"),
 ]
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from archlab.data.arrow import save_to_disk_files
 from archlab.errors import DataError
 
 Document = tuple[str, str]
@@ -282,22 +283,9 @@ def _hf_arrow_files(root: Path, split: str) -> list[Path]:
             raise DataError(f"{root} is a Hugging Face DatasetDict without the split {split!r}; "
                             f"its splits: {', '.join(map(str, splits)) or 'none'} (pass --split)")
         root = root / split
-    state_path = root / "state.json"
-    if not state_path.is_file():
+    if not (root / "state.json").is_file():
         raise DataError(f"{root} is not a Hugging Face save_to_disk folder: it has no state.json")
-    state = _load_json(state_path)
-    entries = state.get("_data_files") if isinstance(state, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise DataError(f"{state_path} lists no data files (no `_data_files` entries)")
-    files = []
-    for entry in entries:
-        name = entry.get("filename") if isinstance(entry, dict) else None
-        if not isinstance(name, str):
-            raise DataError(f"{state_path}: malformed `_data_files` entry {entry!r}")
-        if not (root / name).is_file():
-            raise DataError(f"{state_path} lists {name}, which is missing from {root}")
-        files.append(root / name)
-    return files
+    return save_to_disk_files(root)
 
 
 # --------------------------------------------------------------------------------------------

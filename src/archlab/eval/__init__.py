@@ -5,9 +5,10 @@
     # {"hellaswag": {"acc": ..., "acc_stderr": ..., "acc_norm": ..., "acc_norm_stderr": ..., "n": 500}, ...}
 """
 
-from archlab.eval.harness import (Score, Scorer, evaluate, evaluate_items, evaluate_lambada, evaluate_mc,
-                                  results_table, stderr)
+from archlab.eval.harness import (Score, Scorer, evaluate, evaluate_checkpoint, evaluate_items, evaluate_lambada,
+                                  evaluate_mc, evaluate_tasks, load_checkpoint_for_eval, results_table, stderr)
 from archlab.eval.tasks import TASKS, LambadaItem, MCItem, find_task, load_task, load_tasks
 
-__all__ = ["TASKS", "LambadaItem", "MCItem", "Score", "Scorer", "evaluate", "evaluate_items", "evaluate_lambada",
-           "evaluate_mc", "find_task", "load_task", "load_tasks", "results_table", "stderr"]
+__all__ = ["TASKS", "LambadaItem", "MCItem", "Score", "Scorer", "evaluate", "evaluate_checkpoint", "evaluate_items",
+           "evaluate_lambada", "evaluate_mc", "evaluate_tasks", "find_task", "load_checkpoint_for_eval", "load_task",
+           "load_tasks", "results_table", "stderr"]

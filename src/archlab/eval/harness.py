@@ -23,7 +23,9 @@ Metrics (``evaluate_mc``, ``evaluate_lambada``), each accuracy with its binomial
 The scorer works with any archlab model (the readout log-probabilities, so a decode-branch model is
 scored by its mixture) or with any callable ``tokens [B, T] -> logits [B, T, V]`` (e.g. a
 ``transformers`` model: ``Scorer(logits_fn=lambda x: hf(x).logits, tokenizer=tok, max_len=2048)``).
-``evaluate(model, tokenizer, tasks, task_dir, limit)`` is the entry point for scripts and suites.
+``evaluate(model, tokenizer, tasks, task_dir, limit)`` is the entry point for scripts;
+``evaluate_checkpoint(path, tasks)`` evaluates a checkpoint with the tokenizer saved in it (what
+``archlab eval --tasks`` and the lab's suites with ``eval.tasks`` call).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from archlab.errors import DataError
+from archlab.errors import CheckpointError, DataError
 from archlab.eval.tasks import Item, LambadaItem, MCItem, load_tasks, task_spec
 
 
@@ -204,22 +206,50 @@ def n_requests(items: Sequence[Item]) -> int:
     return sum(len(it.continuations) if isinstance(it, MCItem) else 1 for it in items)
 
 
+def evaluate_tasks(model, tokenizer, loaded: dict[str, Sequence[Item]], *, batch_size: int = 8,
+                   device: torch.device | str | None = None,
+                   progress: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]:
+    """``evaluate`` on items already loaded (``tasks.load_tasks``); ``progress`` is called with
+    the number of requests (continuations) scored after each batch (``n_requests`` in all)."""
+    model.eval()
+    scorer = Scorer(model, tokenizer, batch_size=batch_size, device=device, progress=progress)
+    with torch.no_grad():
+        return {name: evaluate_items(name, items, scorer) for name, items in loaded.items()}
+
+
+def load_checkpoint_for_eval(path, device: torch.device | str = "cpu"):
+    """(model in eval mode, run config, checkpoint dir, tokenizer) of any checkpoint (a run
+    directory means its latest); the tokenizer is the ``tokenizer.json`` the trainer copies from
+    the run's data into every checkpoint (verified against its checksum when loading)."""
+    from archlab.data.tokenizer import load_tokenizer
+    from archlab.train.checkpoint import load_model
+
+    model, cfg, ckpt = load_model(path, device)
+    tok_path = ckpt / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json; cannot encode task text")
+    return model.eval(), cfg, ckpt, load_tokenizer(tok_path)
+
+
+def evaluate_checkpoint(path, loaded: dict[str, Sequence[Item]], *, device: torch.device | str = "cpu",
+                        batch_size: int = 8, progress: Callable[[int], None] | None = None):
+    """(``{task: metrics}``, checkpoint dir) of a checkpoint on loaded task items."""
+    model, _, ckpt, tok = load_checkpoint_for_eval(path, device)
+    return evaluate_tasks(model, tok, loaded, batch_size=batch_size, device=device, progress=progress), ckpt
+
+
 def evaluate(model, tokenizer, tasks: str | list[str], task_dir=None, limit: int | None = None,
              batch_size: int = 8, show_progress: bool = False) -> dict[str, dict[str, Any]]:
     """``{task: {acc, acc_stderr, n, [acc_norm, acc_norm_stderr | ppl]}}`` of an archlab model.
 
     ``tasks``: comma-separated names (or ``name=PATH``) or a list; ``task_dir``: where to find
-    them (``tasks.find_task``); ``limit``: the first N items of each task. The usable entry point
-    for suites and scripts; the CLI's ``archlab eval --tasks`` calls it.
+    them (``tasks.find_task``); ``limit``: the first N items of each task.
     """
     loaded = load_tasks(tasks, task_dir, limit)
+    if not show_progress:
+        return evaluate_tasks(model, tokenizer, loaded, batch_size=batch_size)
     model.eval()
     results: dict[str, dict[str, Any]] = {}
-    if not show_progress:
-        scorer = Scorer(model, tokenizer, batch_size=batch_size)
-        for name, items in loaded.items():
-            results[name] = evaluate_items(name, items, scorer)
-        return results
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:

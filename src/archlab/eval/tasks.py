@@ -364,7 +364,9 @@ def _rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
 
 def _dir_rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
     if (path / "state.json").is_file():
-        for f in _arrow_files(path):
+        from archlab.data.arrow import save_to_disk_files
+
+        for f in save_to_disk_files(path):
             for i, rec in enumerate(_read_arrow(f)):
                 yield Row(rec, f"{f}, row {i}")
         return
@@ -392,24 +394,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DataError(f"{path}: expected a JSON object")
     return data
-
-
-def _arrow_files(folder: Path) -> list[Path]:
-    """The data files a ``save_to_disk`` folder's ``state.json`` lists, in order."""
-    state = _read_json(folder / "state.json")
-    entries = state.get("_data_files")
-    if not isinstance(entries, list) or not entries:
-        raise DataError(f"{folder / 'state.json'}: missing or empty field '_data_files'")
-    files = []
-    for e in entries:
-        fname = e.get("filename") if isinstance(e, dict) else None
-        if not isinstance(fname, str):
-            raise DataError(f"{folder / 'state.json'}: an entry of '_data_files' has no 'filename'")
-        f = folder / fname
-        if not f.is_file():
-            raise DataError(f"{folder / 'state.json'} names data file {fname}, which does not exist")
-        files.append(f)
-    return files
 
 
 def _read_arrow(path: Path) -> list[dict[str, Any]]:

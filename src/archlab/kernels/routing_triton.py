@@ -26,7 +26,13 @@ Backward (``_route_bwd_kernel``), with ``n_i = s_i / r_i`` and ``qg = query * ga
 ``D_h`` needs every source before any ``ds_i`` can be written, so each program makes two passes
 over its sources (one for ``D``, one for ``ds``); that keeps the saved state to ``alpha`` alone
 and ``D`` exact in fp32 for any input dtype. All arithmetic is fp32; ``ds`` is cast to the
-source dtype only when stored.
+output's dtype only when stored.
+
+With ``ACCUMULATE`` the second pass adds ``ds_i`` to what ``dsources`` holds (load, add in fp32,
+store) instead of overwriting it. The model's buffered routing uses that to sum the gradients of
+all the reads of a source in one buffer, in place, rather than writing a fresh ``[N, M, d]`` per
+read for autograd to add up. One program owns each element within a launch and the reads'
+backwards run one after another, so the sums stay deterministic.
 
 ``P`` is a reduction over all positions. Atomics would make it run-to-run nondeterministic, so
 it is done in two fixed-order stages: a fixed number of persistent backward programs each write
@@ -123,11 +129,12 @@ def _route_bwd_kernel(
     N, M, D, H, DH, BLOCKS_PER_PROG,
     stride_sn, stride_sm, stride_dom, stride_dsn, stride_dsm, stride_wn,
     eps,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Persistent program: ``BLOCKS_PER_PROG`` consecutive position blocks, two passes each.
 
-    Writes ``dsources`` and this program's partial ``P`` (row ``pid`` of ``part_ptr`` [G, d]).
+    Writes ``dsources`` (``ACCUMULATE``: adds to it) and this program's partial ``P`` (row
+    ``pid`` of ``part_ptr`` [G, d]).
     """
     pid = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -173,6 +180,8 @@ def _route_bwd_kernel(
             nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
             s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
             alpha_next = tl.load(w_ptr + nxt * stride_wn + w_off, mask=w_mask, other=0.0)
+            if ACCUMULATE:  # issued here so that the arithmetic below hides its latency
+                ds_old = tl.load(dsrc_i + dsrc_off, mask=mask, other=0.0).to(tl.float32)
             inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)
             normed = s * inv_rms[:, None, None]
             logit = tl.sum(normed * qg[None, :, :], axis=2)
@@ -181,6 +190,8 @@ def _route_bwd_kernel(
             ds = (alpha[:, :, None] * dout
                   + inv_rms[:, None, None] * (dlogit[:, :, None] * qg[None, :, :]
                                               - normed * c[:, None, None]))
+            if ACCUMULATE:
+                ds += ds_old
             tl.store(dsrc_i + dsrc_off, ds.to(dsrc_ptr.dtype.element_ty), mask=mask)
             p_acc += dlogit[:, :, None] * normed
             dsrc_i += stride_dsn
@@ -279,18 +290,27 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
 
 def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
                     weights: torch.Tensor, dout: torch.Tensor, heads: int, eps: float,
+                    accumulate_into: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch both backward stages; returns ``(dsources, dquery, dgain)`` in the input dtypes.
 
     ``weights`` is alpha as ``_route_forward`` returned it (contiguous [N, M, H] fp32) and
-    ``dout`` must have unit stride over ``d``. Besides ``_RouteFunction``, the model's buffered
-    routing (``archlab.model.attnres``) calls this directly, so keep the signature stable.
+    ``dout`` must have unit stride over ``d``. With ``accumulate_into`` (an [N, M, d] tensor of
+    any float dtype, unit stride over ``d``) the source gradients are added to it in place
+    (summed in fp32, rounded once) and it is returned as ``dsources``; without, a fresh tensor of
+    the sources' dtype is written. Besides ``_RouteFunction``, the model's buffered routing
+    (``archlab.model.attnres``) calls this directly, so keep the signature stable.
     """
     n, m, d = sources.shape
     t = _tiles(m, d, heads, sources.device)
     n_blocks = triton.cdiv(m, t.block_m)
     programs = _backward_programs(n_blocks, sources.device)
-    dsources = torch.empty_like(sources, memory_format=torch.contiguous_format)
+    if accumulate_into is None:
+        dsources = torch.empty_like(sources, memory_format=torch.contiguous_format)
+    else:
+        if accumulate_into.shape != sources.shape or accumulate_into.stride(-1) != 1:
+            raise ValueError(f"accumulate_into must be {tuple(sources.shape)} with unit stride over d")
+        dsources = accumulate_into
     partials = torch.empty((programs, d), dtype=torch.float32, device=sources.device)
     dquery = torch.empty(d, dtype=torch.float32, device=sources.device)
     dgain = torch.empty(d, dtype=torch.float32, device=sources.device)
@@ -302,7 +322,8 @@ def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tens
             sources.stride(0), sources.stride(1), dout.stride(0), dsources.stride(0),
             dsources.stride(1), weights.stride(0),
             eps,
-            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.num_warps,
+            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh,
+            ACCUMULATE=accumulate_into is not None, num_warps=t.num_warps,
         )
         _reduce_partials_kernel[(triton.cdiv(d, block_d),)](
             partials, query, gain, dquery, dgain, programs, d, BLOCK_G=32, BLOCK_D=block_d,

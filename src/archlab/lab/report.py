@@ -16,7 +16,7 @@ import html
 import io
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from rich.table import Table
 from archlab.errors import ArchlabError
 from archlab.lab.fmt import si
 from archlab.lab.stats import Comparison, compare, noise_floor
-from archlab.lab.store import DB_NAME, ResultStore, RunRow
+from archlab.lab.store import DB_NAME, DownstreamRow, ResultStore, RunRow
 
 FIGURES = (  # (file, caption); the file stem is the figure's short name
     ("loss_curves.png", "Validation loss against training tokens (training FLOPs under iso-FLOP "
@@ -55,6 +55,7 @@ class LabelSummary:
     running: int
     costs: dict[str, Any]
     comparison: Comparison | None
+    downstream: dict[str, list[DownstreamRow]] = field(default_factory=dict)  # task -> one per seed
 
     @property
     def losses(self) -> list[float]:
@@ -77,6 +78,19 @@ class LabelSummary:
         rates = [r.tokens_per_s for r in self.finished if r.tokens_per_s]
         return statistics.median(rates) if rates else None
 
+    def task_mean(self, task: str) -> float | None:
+        """Mean over seeds of the task's headline metric (acc_norm, or acc for LAMBADA)."""
+        rows = self.downstream.get(task, [])
+        return statistics.fmean(d.value for d in rows) if rows else None
+
+    def task_se(self, task: str) -> tuple[float | None, bool]:
+        """(standard error of ``task_mean``, whether it is over seeds): the seeds' sample standard
+        deviation / sqrt(seeds), or with a single seed the binomial standard error over items."""
+        rows = self.downstream.get(task, [])
+        if len(rows) > 1:
+            return statistics.stdev(d.value for d in rows) / math.sqrt(len(rows)), True
+        return (rows[0].stderr if rows else None), False
+
     @property
     def verdict(self) -> str:
         if self.role == "baseline":
@@ -96,6 +110,7 @@ class ReportData:
     n_tests: int
     alpha: float
     rows: list[RunRow]
+    tasks: list[str] = field(default_factory=list)  # the suite's downstream tasks (eval.tasks)
 
     @property
     def suite(self) -> dict[str, Any]:
@@ -117,6 +132,14 @@ def collect(store: ResultStore) -> ReportData:
     n_tests = max(1, len(suite["variants"]))
     alpha = float(suite["eval"]["alpha"])
     rows = [by_id[p["run_id"]] for p in planned if p["run_id"] in by_id]
+    # Downstream results for the suite's current tasks and item limit (a suite from before
+    # downstream evaluation existed has neither).
+    tasks = list(suite["eval"].get("tasks") or [])
+    limit = suite["eval"].get("limit")
+    evals: dict[str, dict[str, DownstreamRow]] = {}
+    for d in store.downstream():
+        if d.task in tasks and d.limit == limit:
+            evals.setdefault(d.run_id, {})[d.task] = d
 
     def summary(label: str, base_losses: list[float] | None) -> LabelSummary:
         mine = [p for p in planned if p["label"] == label]
@@ -129,13 +152,15 @@ def collect(store: ResultStore) -> ReportData:
         return LabelSummary(label=label, role=mine[0]["role"], planned=len(mine), finished=done,
                             diverged=sum(r.status == "diverged" for r in got),
                             running=sum(r.status == "running" for r in got),
-                            costs=mine[0]["costs"], comparison=comp)
+                            costs=mine[0]["costs"], comparison=comp,
+                            downstream={t: [evals[r.run_id][t] for r in done if t in evals.get(r.run_id, {})]
+                                        for t in tasks})
 
     labels = plan["labels"]
     base = summary(labels[0], None)
     summaries = [base] + [summary(lbl, base.losses) for lbl in labels[1:]]
     return ReportData(plan=plan, summaries=summaries, floor=noise_floor(base.losses), n_tests=n_tests,
-                      alpha=alpha, rows=rows)
+                      alpha=alpha, rows=rows, tasks=tasks)
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -149,21 +174,64 @@ def _p(p: float | None) -> str:
     return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
 
 
+def task_metric(task: str) -> str:
+    """The headline metric of a downstream task: acc for LAMBADA, else (multiple choice) acc_norm."""
+    return "acc" if task == "lambada" else "acc_norm"
+
+
+def _task_cell(data: ReportData, s: LabelSummary, task: str) -> str:
+    """Mean over seeds, and for a variant its difference against the baseline's mean."""
+    mean, base = s.task_mean(task), data.baseline.task_mean(task)
+    if mean is None:
+        return "-"
+    if s.role == "baseline" or base is None:
+        return f"{mean:.4f}"
+    return f"{mean:.4f} ({mean - base:+.4f})"
+
+
 def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """One row per label; the loss columns up to the verdict, then one column per downstream
+    task (mean over seeds, and the variant's difference against the baseline in brackets)."""
     header = ["variant", "seeds", "val loss", "bpb", "Δ loss", "z", "95% CI of Δ", "test",
-              "p", "p adj", "verdict"]
+              "p", "p adj", "verdict"] + [f"{t} {task_metric(t)}" for t in data.tasks]
     out = []
     for s in data.summaries:
         c = s.comparison
         seeds = f"{len(s.finished)}/{s.planned}" + (f" ({s.diverged} diverged)" if s.diverged else "")
         loss = _f(s.mean_loss, ".4f") + (f" ± {s.sd_loss:.4f}" if s.sd_loss is not None else "")
         bpb = _f(statistics.fmean(s.bpbs), ".4f") if s.bpbs else "-"
+        tasks = [_task_cell(data, s, t) for t in data.tasks]
         if c is None:
-            out.append([s.label, seeds, loss, bpb, "-", "-", "-", "-", "-", "-", s.verdict])
+            out.append([s.label, seeds, loss, bpb, "-", "-", "-", "-", "-", "-", s.verdict, *tasks])
             continue
         ci = "-" if c.ci_low is None else f"[{c.ci_low:+.4f}, {c.ci_high:+.4f}]"
         out.append([s.label, seeds, loss, bpb, f"{c.diff:+.4f}", _f(c.z, "+.2f"), ci, c.method.split(" ")[0],
-                    _p(c.p), _p(c.p_adjusted), c.verdict])
+                    _p(c.p), _p(c.p_adjusted), c.verdict, *tasks])
+    return header, out
+
+
+def downstream_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """Per label and task: mean ± standard error (``LabelSummary.task_se``; † marks the
+    single-seed, over-items kind), the number of seeds in brackets where it differs from the
+    label's finished runs. The header names the metric and the items evaluated per run."""
+    header = ["variant", "seeds"]
+    for t in data.tasks:
+        ns = sorted({d.n for s in data.summaries for d in s.downstream.get(t, [])})
+        header.append(f"{t} {task_metric(t)}" + (f" (n={'/'.join(map(str, ns))})" if ns else ""))
+    out = []
+    for s in data.summaries:
+        evaluated = {d.run_id for rows in s.downstream.values() for d in rows}
+        row = [s.label, f"{len(evaluated)}/{len(s.finished)}"]
+        for t in data.tasks:
+            mean = s.task_mean(t)
+            se, over_seeds = s.task_se(t)
+            if mean is None:
+                row.append("-")
+                continue
+            k = len(s.downstream[t])
+            row.append(f"{mean:.4f} ± {_f(se, '.4f')}" + ("" if over_seeds else "†")
+                       + ("" if k == len(s.finished) else f" ({k} seeds)"))
+        out.append(row)
     return header, out
 
 
@@ -208,7 +276,16 @@ def overview(data: ReportData) -> list[str]:
         f"Final loss = mean of the last {s['eval']['last_k']} evaluations; significance: "
         f"Bonferroni over {data.n_tests} variant(s) at alpha = {data.alpha}",
         f"Code revision: {', '.join(revisions) or '-'}; device: {', '.join(devices) or '-'}",
-    ]
+    ] + ([_downstream_fact(data)] if data.tasks else [])
+
+
+def _downstream_fact(data: ReportData) -> str:
+    limit = data.suite["eval"].get("limit")
+    finished = sum(len(x.finished) for x in data.summaries)
+    evaluated = len({d.run_id for x in data.summaries for rows in x.downstream.values() for d in rows})
+    return (f"Downstream (zero-shot, final checkpoints): {', '.join(data.tasks)}; "
+            + (f"first {limit} items per task" if limit else "every item")
+            + f"; {evaluated} of {finished} finished runs evaluated")
 
 
 METHOD_NOTE = (
@@ -218,6 +295,16 @@ METHOD_NOTE = (
     "observation against a sample, assuming equal seed noise). The 95% CI uses the test's "
     "standard error and degrees of freedom and is not adjusted; p adj = min(1, p × number of "
     "variants) (Bonferroni), and a variant is better or worse only if p adj < alpha."
+)
+
+
+DOWNSTREAM_NOTE = (
+    "Zero-shot accuracy of each run's final checkpoint: acc_norm (the choice with the highest "
+    "log-likelihood per byte) for multiple-choice tasks, acc (last word greedily right) for LAMBADA. "
+    "Mean over seeds ± its standard error over seeds (sample standard deviation / √seeds); † a "
+    "single seed: the binomial standard error over the task's items instead. The results table "
+    "gives the variant's difference against the baseline's mean in brackets. No significance test "
+    "is made on these; the verdict rests on the validation loss."
 )
 
 
@@ -365,6 +452,8 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
         data = collect(store)
     title = f"archlab comparison: {data.suite['name']}"
     tables = [("Results", *results_table(data)), ("Costs", *costs_table(data))]
+    if data.tasks:
+        tables.append(("Downstream", *downstream_table(data)))
     pngs = {name: _png(fn(data)) for (name, _), fn in zip(FIGURES, (fig_curves, fig_diffs, fig_tradeoff))}
     for name, blob in pngs.items():
         (out / name).write_bytes(blob)
@@ -374,6 +463,8 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
     for name, header, rows in tables:
         md += [f"## {name}", "", _md_table(header, rows), ""]
+        if name == "Downstream":
+            md += [DOWNSTREAM_NOTE, ""]
     md += [METHOD_NOTE, "", "## Figures", ""]
     for name, caption in FIGURES:
         md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
@@ -384,6 +475,8 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     body.append("<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")
     for name, header, rows in tables:
         body += [f"<h2>{name}</h2>", _html_table(header, rows)]
+        if name == "Downstream":
+            body.append(f"<p>{html.escape(DOWNSTREAM_NOTE)}</p>")
     body += [f"<p>{html.escape(METHOD_NOTE)}</p>", "<h2>Figures</h2>"]
     for name, caption in FIGURES:
         b64 = base64.b64encode(pngs[name]).decode()
@@ -409,11 +502,12 @@ def print_report(out_dir: str | Path, console: Console) -> None:
     rows = [[r[i] for i in keep] for r in full_rows]
     table = Table(title=f"suite {data.suite['name']}: final validation loss against {data.baseline.label}",
                   box=box.SIMPLE_HEAD, pad_edge=False)
+    verdict = header.index("verdict")  # the downstream task columns, if any, follow it
     for i, h in enumerate(header):
-        last = i == len(header) - 1  # in a narrow terminal the verdict and the intervals wrap
-        table.add_column(h, justify="left" if i == 0 or last else "right",
-                         no_wrap=h not in ("verdict", "val loss", "95% CI of Δ"))
+        # in a narrow terminal the verdict, the intervals and the task names wrap
+        table.add_column(h, justify="left" if i in (0, verdict) else "right",
+                         no_wrap=h not in ("verdict", "val loss", "95% CI of Δ") and i < verdict)
     styles = {"better": "green", "worse": "red"}
     for r in rows:
-        table.add_row(*r, style=styles.get(r[-1]))
+        table.add_row(*r, style=styles.get(r[verdict]))
     console.print(table)

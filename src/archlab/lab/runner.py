@@ -5,6 +5,12 @@ a run whose row is ``finished`` (or ``diverged``) is skipped; any other planned 
 with ``resume=True`` in its own directory, so an interrupted run continues from its latest
 checkpoint. A row is marked finished in one transaction after the trainer returns, so a kill at
 any moment leaves either a finished row or a resumable run, never a half-recorded result.
+
+Downstream evaluation (a suite's ``eval.tasks``) runs in this process right after a run is
+recorded finished, on the run's final checkpoint, and is stored in one more transaction (the
+``downstream`` table). Whatever a run lacks for the suite's current tasks and item limit (an
+evaluation interrupted by a kill, or tasks added to the suite later) is evaluated on the next
+``compare`` before any training, without retraining.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from rich.text import Text
 
 import archlab
 from archlab.config import RunConfig
-from archlab.errors import ArchlabError, TrainingDiverged
+from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.lab.fmt import duration, si
 from archlab.lab.plan import DataJob, Plan, PlannedRun
 from archlab.lab.store import ResultStore, RunRow, RunStart, TrainOutcome
@@ -48,6 +54,15 @@ class TrainFn(Protocol):
 PrepareFn = Callable[..., Any]
 
 
+class EvalFn(Protocol):
+    """Zero-shot evaluation of a finished run: ``{task: metrics}`` (``archlab.eval.evaluate``'s
+    dict) of the final checkpoint in ``run_dir`` on the loaded task items; ``progress`` is called
+    with the number of requests scored so far, batch by batch (optional)."""
+
+    def __call__(self, run_dir: Path, cfg: RunConfig, tasks: dict[str, list[Any]], *,
+                 progress: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]: ...
+
+
 @dataclass(frozen=True)
 class SuiteOutcome:
     skipped: int  # already finished or diverged before this call
@@ -60,6 +75,18 @@ def _real_train() -> TrainFn:
     from archlab.train.trainer import train
 
     return train
+
+
+def evaluate_run(run_dir: Path, cfg: RunConfig, tasks: dict[str, list[Any]], *,
+                 progress: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]:
+    """The real ``EvalFn``: ``archlab eval --tasks`` on the run's latest (= final) checkpoint, on
+    the run's device, ``train.batch_size`` sequences per forward pass."""
+    from archlab.eval.harness import evaluate_checkpoint
+    from archlab.train.device import resolve_device
+
+    results, _ = evaluate_checkpoint(run_dir, tasks, device=resolve_device(cfg.train.device),
+                                     batch_size=cfg.train.batch_size, progress=progress)
+    return results
 
 
 def _real_prepare() -> PrepareFn:
@@ -149,7 +176,8 @@ def make_progress(console: Console) -> Progress:
 
 def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_fn: TrainFn | None = None,
               prepare_fn: PrepareFn | None = None, console: Console | None = None,
-              stop_after_steps: int | None = None, jobs: int = 1) -> SuiteOutcome:
+              stop_after_steps: int | None = None, jobs: int = 1,
+              eval_fn: EvalFn | None = None) -> SuiteOutcome:
     """Train every run of ``runs`` that is not finished, in order, recording each in ``store``.
 
     ``stop_after_steps`` is passed to the trainer (a time-boxed session, or a test of resuming);
@@ -157,13 +185,18 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     ``TrainingDiverged`` marks the run diverged (a result: the variant is unstable at this
     setting) and the suite goes on; any other error propagates, leaving the run resumable.
     ``jobs > 1`` trains that many runs at once, each in its own process (see ``_run_parallel``).
+    With ``eval.tasks`` in the suite, every finished run is evaluated on them (``eval_fn``, by
+    default ``evaluate_run``); the task data is read before anything trains.
     """
     console = console or Console()
     store.set_meta("plan", plan.meta())
-    todo = [r for r in runs if not is_done(store.get(r.run_id))]
+    rows = {r.run_id: store.get(r.run_id) for r in runs}
+    todo = [r for r in runs if not is_done(rows[r.run_id])]
     skipped = len(runs) - len(todo)
     if skipped:
         console.print(f"[dim]{skipped} of {len(runs)} runs already done; skipping them[/dim]")
+    trained = [r for r in runs if rows[r.run_id] is not None and rows[r.run_id].status == "finished"]
+    downstream = _Downstream.open(plan, store, eval_fn, todo, trained)
     needed = {Path(r.config.data.path) for r in todo}
     for job in plan.data_jobs:
         if job.path in needed and not job.path.exists():
@@ -172,9 +205,11 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     revision = code_revision()
     with make_progress(console) as progress:
         overall = progress.add_task(f"suite {plan.suite.name}", total=len(runs), completed=skipped)
+        if downstream is not None:
+            downstream.catch_up(progress)
         if jobs > 1 and len(todo) > 1:
             return _run_parallel(plan, store, todo, skipped, revision, progress, overall, train_fn,
-                                 stop_after_steps, jobs)
+                                 stop_after_steps, jobs, downstream)
         train = train_fn or _real_train()
         finished = diverged = 0
         for run in todo:
@@ -190,6 +225,8 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
             if not _record_result(store, plan, run, result, progress, overall):
                 return SuiteOutcome(skipped, finished, diverged, run.run_id)
             finished += 1
+            if downstream is not None:
+                downstream.evaluate(run, progress)
     return SuiteOutcome(skipped, finished, diverged, None)
 
 
@@ -223,6 +260,79 @@ def _record_result(store: ResultStore, plan: Plan, run: PlannedRun, result: Trai
     return True
 
 
+class _Downstream:
+    """The suite's downstream tasks, loaded once, and what each run still lacks of them."""
+
+    def __init__(self, plan: Plan, store: ResultStore, eval_fn: EvalFn, tasks: dict[str, list[Any]],
+                 sources: dict[str, str], pending: list[PlannedRun]) -> None:
+        self.plan, self.store, self.eval_fn = plan, store, eval_fn
+        self.tasks, self.sources, self.pending = tasks, sources, pending
+        self.limit = plan.suite.eval.limit
+
+    @classmethod
+    def open(cls, plan: Plan, store: ResultStore, eval_fn: EvalFn | None, todo: list[PlannedRun],
+             finished: list[PlannedRun]) -> "_Downstream | None":
+        """None when the suite has no tasks, or nothing to train and nothing left to evaluate;
+        else the task items, read now so that missing task data fails before any training."""
+        spec = plan.suite.eval
+        if not spec.tasks:
+            return None
+        pending = [r for r in finished if _missing(store, r, spec.tasks, spec.limit)]
+        if not todo and not pending:
+            return None
+        from archlab.eval.tasks import find_task, load_task
+
+        sources = {name: str(find_task(name, spec.task_dir)) for name in spec.tasks}
+        tasks = {name: load_task(name, src, spec.limit) for name, src in sources.items()}
+        return cls(plan, store, eval_fn or evaluate_run, tasks, sources, pending)
+
+    def catch_up(self, progress: Progress) -> None:
+        """Evaluate the runs that finished training in an earlier call but lack results. A run
+        whose checkpoint is gone (run directories deleted to save space) is reported and left
+        without them rather than blocking the suite."""
+        if self.pending:
+            progress.console.print(f"evaluating {len(self.pending)} finished run(s) on the downstream "
+                                   "tasks they lack", highlight=False)
+        for run in self.pending:
+            try:
+                self.evaluate(run, progress)
+            except CheckpointError as e:
+                progress.console.print(f"[yellow]{run.label} seed {run.init_seed}: no downstream "
+                                       f"evaluation[/yellow]: {e}", highlight=False)
+
+    def evaluate(self, run: PlannedRun, progress: Progress) -> None:
+        """Evaluate one finished run on the tasks it lacks and store the results together."""
+        missing = _missing(self.store, run, tuple(self.tasks), self.limit)
+        if not missing:
+            return
+        from archlab.eval.harness import n_requests
+
+        items = {name: self.tasks[name] for name in missing}
+        task = progress.add_task(f"eval {run.label} seed {run.init_seed}",
+                                 total=sum(n_requests(v) for v in items.values()))
+        try:
+            results = self.eval_fn(self.plan.out_dir / RUNS_DIR / run.run_id, run.config, items,
+                                   progress=lambda k: progress.advance(task, k))
+        finally:
+            progress.remove_task(task)
+        if set(results) != set(items):
+            raise RuntimeError(f"downstream evaluation of {run.run_id} returned tasks {sorted(results)}, "
+                               f"expected {sorted(items)}")
+        self.store.add_downstream(run.run_id, results, limit=self.limit, sources=self.sources)
+        scores = ", ".join(f"{name} {_headline(r)}" for name, r in results.items())
+        progress.console.print(f"{run.label} seed {run.init_seed} downstream: {scores}", highlight=False)
+
+
+def _missing(store: ResultStore, run: PlannedRun, tasks: tuple[str, ...], limit: int | None) -> list[str]:
+    have = {d.task for d in store.downstream(run.run_id) if d.limit == limit}
+    return [t for t in tasks if t not in have]
+
+
+def _headline(r: dict[str, Any]) -> str:
+    """acc_norm for multiple choice, acc for LAMBADA (what the report shows)."""
+    return f"acc_norm {r['acc_norm']:.4f}" if r.get("acc_norm") is not None else f"acc {r['acc']:.4f}"
+
+
 def _train_worker(train_fn: TrainFn | None, cfg: RunConfig, out_dir: Path,
                   stop_after_steps: int | None) -> TrainOutcome:
     """One run in a worker process. The parent draws the progress, so the real trainer is quiet."""
@@ -251,13 +361,15 @@ def _latest_train_record(run_dir: Path) -> dict[str, Any] | None:
 
 def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skipped: int, revision: str,
                   progress: Progress, overall: TaskID, train_fn: TrainFn | None,
-                  stop_after_steps: int | None, jobs: int) -> SuiteOutcome:
+                  stop_after_steps: int | None, jobs: int, downstream: _Downstream | None = None) -> SuiteOutcome:
     """Train up to ``jobs`` runs at once, each in a fresh (spawned) process.
 
     Small models leave a GPU mostly idle between kernel launches, so several runs side by side
     finish a suite sooner; each run is still exactly the run ``jobs=1`` would train (its own
     seeds, data order and directory). This process alone writes the database; workers report
     progress through their metrics.jsonl, which is polled here for the progress bars.
+    Downstream evaluations run in this process too, one at a time, after the finished run's slot
+    has gone to the next run (training does not wait for them; the bars pause meanwhile).
     """
     finished = diverged = 0
     interrupted: str | None = None
@@ -286,6 +398,7 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skippe
                     if rec is not None:
                         progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.3f}",
                                         tok_s=f"{rec['tokens_per_s']:,.0f}")
+            evaluate: list[PlannedRun] = []
             for fut in done:
                 run, task = pending.pop(fut)
                 try:
@@ -300,10 +413,18 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skippe
                     continue
                 if _record_result(store, plan, run, result, progress, overall, task):
                     finished += 1
+                    evaluate.append(run)
                 else:
                     interrupted = interrupted or run.run_id
             if interrupted is None:
                 submit()
+            for run in evaluate:
+                if downstream is None or error is not None:
+                    break  # left for the next compare, like an interrupted evaluation
+                try:
+                    downstream.evaluate(run, progress)
+                except BaseException as e:  # noqa: BLE001 - re-raised once the running runs end
+                    error = e
     if error is not None:
         raise error
     return SuiteOutcome(skipped, finished, diverged, interrupted)
@@ -377,4 +498,8 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow]) -> t
                f"estimated time {'at least ' if unknown else ''}{duration(total_s)} "
                f"({'; '.join(sorted(sources)) or 'nothing to run'}); decode costs at context "
                f"{runs[0].cost_context if runs else '-'}")
+    if plan.suite.eval.tasks:
+        limit = plan.suite.eval.limit
+        summary += (f"; then zero-shot {', '.join(plan.suite.eval.tasks)} on every finished run "
+                    f"({f'first {limit} items' if limit else 'every item'} per task, not in the estimate)")
     return table, summary

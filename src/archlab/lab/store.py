@@ -1,4 +1,6 @@
-"""The results store: one SQLite file per suite directory, one row per run.
+"""The results store: one SQLite file per suite directory, one row per run (``runs``), and one
+row per (run, downstream task, item limit) for zero-shot evaluations of finished runs
+(``downstream``).
 
 Why SQLite: a comparison can take days, gets interrupted, and is read by reports while it is
 still running. SQLite in WAL mode gives atomic, durable transactions (``synchronous=FULL``),
@@ -9,8 +11,14 @@ Invariants, enforced by the database itself (triggers), not only by this code:
 
 * a row whose status is ``finished`` or ``diverged`` is never updated or deleted, so nothing
   measured is lost or silently replaced;
+* a ``downstream`` row belongs to a finished run, and is never updated or deleted either (a new
+  item limit is a new row, so results with other limits stay as they were measured);
 * the schema version lives in ``PRAGMA user_version``; a file from a newer archlab is refused
-  rather than misread.
+  rather than misread, and an older one is migrated when opened (``_MIGRATIONS``; each step
+  only adds tables, so nothing already stored changes).
+
+Schema versions: v1, the ``runs`` and ``meta`` tables; v2 (downstream evaluation) adds the
+``downstream`` table and its triggers.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any, Iterator, Literal, Protocol
 
 from archlab.errors import ArchlabError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "results.sqlite"
 
 Status = Literal["running", "finished", "diverged"]
@@ -42,7 +50,9 @@ COST_KEYS: tuple[str, ...] = (
     "decode_bytes_per_step",
 )
 
-_SCHEMA: tuple[str, ...] = (
+# The schema of each version as the statements that build it from the previous one. Never edit a
+# released step (databases in the field were built by it); add a step and bump SCHEMA_VERSION.
+_SCHEMA_V1: tuple[str, ...] = (
     """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
     """CREATE TABLE runs (
         run_id TEXT PRIMARY KEY,
@@ -89,6 +99,34 @@ _SCHEMA: tuple[str, ...] = (
        WHEN OLD.status != 'running'
        BEGIN SELECT RAISE(ABORT, 'archlab: a finished run is never deleted'); END""",
 )
+
+_SCHEMA_V2: tuple[str, ...] = (
+    """CREATE TABLE downstream (
+        run_id TEXT NOT NULL REFERENCES runs (run_id),
+        task TEXT NOT NULL,
+        item_limit INTEGER NOT NULL CHECK (item_limit >= 0),  -- 0: every item of the task
+        n INTEGER NOT NULL CHECK (n > 0),
+        acc REAL NOT NULL,
+        acc_stderr REAL NOT NULL,
+        acc_norm REAL,              -- multiple choice only
+        acc_norm_stderr REAL,
+        ppl REAL,                   -- LAMBADA only
+        source TEXT,                -- where the task data was read from
+        evaluated_at REAL NOT NULL,
+        PRIMARY KEY (run_id, task, item_limit)
+    )""",
+    """CREATE TRIGGER downstream_of_finished_runs_only BEFORE INSERT ON downstream
+       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
+       BEGIN SELECT RAISE(ABORT, 'archlab: downstream results belong to a finished run'); END""",
+    """CREATE TRIGGER downstream_no_update BEFORE UPDATE ON downstream
+       BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never overwritten'); END""",
+    """CREATE TRIGGER downstream_no_delete BEFORE DELETE ON downstream
+       BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never deleted'); END""",
+)
+
+# _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2)
+assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
 class TrainOutcome(Protocol):
@@ -161,6 +199,37 @@ class RunRow:
     error: str | None
 
 
+@dataclass(frozen=True)
+class DownstreamRow:
+    """One zero-shot evaluation of one finished run on one task."""
+
+    run_id: str
+    task: str
+    limit: int | None  # the item limit asked for (None: every item)
+    n: int  # items evaluated
+    acc: float
+    acc_stderr: float
+    acc_norm: float | None
+    acc_norm_stderr: float | None
+    ppl: float | None
+    source: str | None
+    evaluated_at: float
+
+    @property
+    def metric(self) -> str:
+        """The headline metric: acc_norm for multiple choice, acc for LAMBADA."""
+        return "acc" if self.acc_norm is None else "acc_norm"
+
+    @property
+    def value(self) -> float:
+        return self.acc if self.acc_norm is None else self.acc_norm
+
+    @property
+    def stderr(self) -> float:
+        """Binomial standard error of ``value`` over the task's items."""
+        return self.acc_stderr if self.acc_norm_stderr is None else self.acc_norm_stderr
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
@@ -213,19 +282,23 @@ class ResultStore:
         self._conn.execute("COMMIT")
 
     def _init_schema(self) -> None:
+        """Create the schema in a new file, or migrate an older one, in one transaction (a kill
+        during a migration leaves the file at its old version)."""
         with self._transaction() as c:
             version = c.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
                 tables = c.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
                 if tables:
                     raise ArchlabError(f"{self.path} is an SQLite file but not an archlab results database")
-                for stmt in _SCHEMA:
-                    c.execute(stmt)
-                c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version > SCHEMA_VERSION:
                 raise ArchlabError(
                     f"{self.path} has results schema v{version}; this archlab reads up to "
                     f"v{SCHEMA_VERSION} (upgrade archlab)")
+            if version < SCHEMA_VERSION:
+                for step in _MIGRATIONS[version:]:
+                    for stmt in step:
+                        c.execute(stmt)
+                c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     # ---- suite metadata ---------------------------------------------------------------------
     def set_meta(self, key: str, value: Any) -> None:
@@ -286,6 +359,33 @@ class ResultStore:
                             (*values.values(), run_id))
             if cur.rowcount != 1:
                 raise RuntimeError(f"run {run_id} is not running in {self.path}; cannot mark it {status}")
+
+    # ---- downstream evaluations ---------------------------------------------------------------
+    def add_downstream(self, run_id: str, results: dict[str, dict[str, Any]], *, limit: int | None,
+                       sources: dict[str, str] | None = None) -> None:
+        """Store a finished run's zero-shot results (``archlab.eval.evaluate``'s dict: per task
+        acc, acc_stderr, n and acc_norm(_stderr) or ppl), all tasks in one transaction."""
+        def opt(r: dict[str, Any], key: str) -> float | None:
+            return None if r.get(key) is None else float(r[key])
+
+        now = time.time()
+        with self._transaction() as c:
+            for task, r in results.items():
+                c.execute(
+                    "INSERT INTO downstream (run_id, task, item_limit, n, acc, acc_stderr, acc_norm, "
+                    "acc_norm_stderr, ppl, source, evaluated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, task, limit or 0, int(r["n"]), float(r["acc"]), float(r["acc_stderr"]),
+                     opt(r, "acc_norm"), opt(r, "acc_norm_stderr"), opt(r, "ppl"), (sources or {}).get(task), now))
+
+    def downstream(self, run_id: str | None = None) -> list[DownstreamRow]:
+        """Downstream results, of one run or of every run, in the order they were stored."""
+        sql = "SELECT * FROM downstream" + (" WHERE run_id = ?" if run_id is not None else "")
+        rows = self._conn.execute(sql + " ORDER BY evaluated_at, run_id, task",
+                                  () if run_id is None else (run_id,))
+        return [DownstreamRow(
+            run_id=r["run_id"], task=r["task"], limit=r["item_limit"] or None, n=r["n"], acc=r["acc"],
+            acc_stderr=r["acc_stderr"], acc_norm=r["acc_norm"], acc_norm_stderr=r["acc_norm_stderr"],
+            ppl=r["ppl"], source=r["source"], evaluated_at=r["evaluated_at"]) for r in rows]
 
     # ---- reading ---------------------------------------------------------------------------
     def get(self, run_id: str) -> RunRow | None:

