@@ -44,11 +44,10 @@ VARIANTS = {
                             "model.residual.impl=triton"],
     "moe8x2": ["model.ffn=moe", "model.moe.n_experts=8", "model.moe.top_k=2"],
 }
-# Variants that are another variant plus attributes set on the depth-routing stream after the
-# model is built (options being measured before they become config keys).
-for _name in ("attnres-triton", "mhar4-triton", "mhar8-triton", "attnres-compile"):
-    VARIANTS[f"{_name}-bf16src"] = VARIANTS[_name]
-STREAM_ATTRS = {name: {"source_dtype": torch.bfloat16} for name in VARIANTS if name.endswith("-bf16src")}
+# The routing's dtype options (defaults: bf16 sources under autocast, fp32 gradient sums).
+for _name in ("attnres-triton", "mhar4-triton"):
+    VARIANTS[f"{_name}-fp32src"] = [*VARIANTS[_name], "model.residual.source_dtype=float32"]
+    VARIANTS[f"{_name}-bf16grad"] = [*VARIANTS[_name], "model.residual.grad_dtype=bfloat16"]
 
 
 # Kernel-name fragments -> category, first match wins (names as the CUDA profiler reports them).
@@ -113,8 +112,6 @@ def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compi
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     run = Run(cfg, out_dir="/tmp/unused")
-    for attr, value in STREAM_ATTRS.get(name, {}).items():
-        setattr(run.model.residual, attr, value)
     t_compile = time.perf_counter()
     for s in range(warmup):
         run.train_step(s)

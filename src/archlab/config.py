@@ -34,6 +34,14 @@ class ResidualConfig:
     heads: int = 1  # attnres/delta: routing heads H (1 = AttnRes, >1 = MHAR)
     delta_groups: int = 0  # delta: groups of sublayers whose outputs form one delta source; 0 = L
     impl: Literal["auto", "reference", "compile", "triton"] = "auto"
+    # dtype the depth sources are stored and routed in. auto: the autocast dtype when autocast is
+    # on (bf16 on CUDA: the sublayer outputs are bf16 there anyway, so only the embedding source is
+    # rounded, and the routing moves half the bytes), else the embedding's.
+    source_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # dtype of the buffer in which the backward sums each source's gradient over its reads
+    # (impl compile/triton). auto: the sources' dtype. float32, as the MHAR paper does, costs
+    # more traffic under bf16 sources but rounds the sum once.
+    grad_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
 
 
 @dataclass

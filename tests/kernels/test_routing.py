@@ -2,9 +2,11 @@
 
 Ground truth is a float64 loop written independently of the library code (per head, per
 source). The reference is checked against it; the compiled and Triton versions against the
-reference. Triton runs in its CPU interpreter (conftest.py says how that is arranged). Inputs
-are seeded random draws with non-zero query and non-unit gain: the models' zero-initialised
-query would make every routing weight 1/N and hide errors in the logits.
+reference. Triton runs on CUDA when a GPU is present and in its CPU interpreter otherwise
+(conftest.py says how that is arranged; ``kernel_device`` is where it runs). Inputs are seeded
+random draws on CPU with non-zero query and non-unit gain (the models' zero-initialised query
+would make every routing weight 1/N and hide errors in the logits), moved to ``kernel_device``
+for the Triton calls; references run on CPU and results are compared on CPU.
 """
 
 from __future__ import annotations
@@ -73,14 +75,17 @@ def loop_route_f64(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
 
 def grads(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], sources: torch.Tensor,
           query: torch.Tensor, gain: torch.Tensor, heads: int, dout: torch.Tensor,
-          ) -> tuple[torch.Tensor, ...]:
-    """``(out, alpha, dsources, dquery, dgain)`` of ``fn`` for the upstream gradient ``dout``."""
-    s = sources.detach().clone().requires_grad_()
-    q = query.detach().clone().requires_grad_()
-    g = gain.detach().clone().requires_grad_()
+          device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """``(out, alpha, dsources, dquery, dgain)`` of ``fn`` for the upstream gradient ``dout``.
+
+    ``fn`` runs on ``device`` (copies of the inputs, strides kept); the results come back on CPU.
+    """
+    s = sources.detach().to(device).clone().requires_grad_()
+    q = query.detach().to(device).clone().requires_grad_()
+    g = gain.detach().to(device).clone().requires_grad_()
     out, alpha = fn(s, q, g, heads, EPS, return_weights=True)
-    out.backward(dout.to(out.dtype))
-    return out.detach(), alpha.detach(), s.grad, q.grad, g.grad
+    out.backward(dout.to(out.device, out.dtype))
+    return tuple(t.cpu() for t in (out.detach(), alpha.detach(), s.grad, q.grad, g.grad))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,17 +172,17 @@ def test_compiled_matches_reference() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernels (interpreted on CPU)
+# Triton kernels (on ``kernel_device``: CUDA, or interpreted on CPU)
 # ----------------------------------------------------------------------------------------------
 TRITON_SHAPES = [(n, m, d, h) for n in (1, 3, 7) for m in (5, 33) for d, h in ((32, 1), (48, 4))]
 
 
 @pytest.mark.triton_interpret
 @pytest.mark.parametrize("n,m,d,heads", TRITON_SHAPES)
-def test_triton_matches_reference(routing_triton: ModuleType, n: int, m: int, d: int,
-                                  heads: int) -> None:
+def test_triton_matches_reference(routing_triton: ModuleType, kernel_device: torch.device, n: int,
+                                  m: int, d: int, heads: int) -> None:
     sources, query, gain, dout = make_inputs(n, m, d, seed=1000 * n + 10 * m + d + heads)
-    got = grads(routing_triton.route_triton, sources, query, gain, heads, dout)
+    got = grads(routing_triton.route_triton, sources, query, gain, heads, dout, kernel_device)
     want = grads(route_reference, sources, query, gain, heads, dout)
     for name, a, b in zip(("out", "alpha", "dsources"), got, want):
         assert a.dtype == b.dtype, name
@@ -190,46 +195,48 @@ def test_triton_matches_reference(routing_triton: ModuleType, n: int, m: int, d:
 
 
 @pytest.mark.triton_interpret
-def test_triton_odd_widths_and_many_heads(routing_triton: ModuleType) -> None:
+def test_triton_odd_widths_and_many_heads(routing_triton: ModuleType,
+                                          kernel_device: torch.device) -> None:
     """Head width not a power of two (d/H = 5), H not a power of two, one position."""
     for n, m, d, heads in ((4, 9, 15, 3), (3, 1, 40, 8), (5, 2, 64, 16)):
         sources, query, gain, dout = make_inputs(n, m, d, seed=d)
-        got = grads(routing_triton.route_triton, sources, query, gain, heads, dout)
+        got = grads(routing_triton.route_triton, sources, query, gain, heads, dout, kernel_device)
         want = grads(route_reference, sources, query, gain, heads, dout)
         for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
             assert rel_err(a, b) < 1e-5, (n, m, d, heads, name)
 
 
 @pytest.mark.triton_interpret
-def test_triton_no_positions(routing_triton: ModuleType) -> None:
+def test_triton_no_positions(routing_triton: ModuleType, kernel_device: torch.device) -> None:
     sources, query, gain, _ = make_inputs(3, 0, 16, seed=0)
     out, alpha, dsources, dquery, dgain = grads(routing_triton.route_triton, sources, query, gain,
-                                                2, torch.zeros(0, 16))
+                                                2, torch.zeros(0, 16), kernel_device)
     assert out.shape == (0, 16) and alpha.shape == (3, 0, 2) and dsources.shape == (3, 0, 16)
     assert not dquery.any() and not dgain.any()
 
 
 @pytest.mark.triton_interpret
-def test_triton_strided_sources(routing_triton: ModuleType) -> None:
+def test_triton_strided_sources(routing_triton: ModuleType, kernel_device: torch.device) -> None:
     """``buf[:n]`` of a preallocated buffer, and a layout strided over N, are used in place."""
     sources, query, gain, dout = make_inputs(9, 6, 32, seed=9)
     want = grads(route_reference, sources[:5], query, gain, 4, dout)
-    buf = sources.clone()
-    got = grads(routing_triton.route_triton, buf[:5], query, gain, 4, dout)
+    buf = sources.to(kernel_device, copy=True)
+    got = grads(routing_triton.route_triton, buf[:5], query, gain, 4, dout, kernel_device)
     for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
         assert rel_err(a, b) < 1e-5, name
-    position_major = sources[:5].transpose(0, 1).contiguous().transpose(0, 1)  # [N, M, d] view
+    # [N, M, d] view of position-major memory, made on the kernel device (``grads`` keeps strides)
+    position_major = buf[:5].transpose(0, 1).contiguous().transpose(0, 1)
     assert not position_major.is_contiguous()
-    got = grads(routing_triton.route_triton, position_major, query, gain, 4, dout)
+    got = grads(routing_triton.route_triton, position_major, query, gain, 4, dout, kernel_device)
     for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
         assert rel_err(a, b) < 1e-5, name
 
 
 @pytest.mark.triton_interpret
-def test_triton_bf16_sources(routing_triton: ModuleType) -> None:
+def test_triton_bf16_sources(routing_triton: ModuleType, kernel_device: torch.device) -> None:
     """bf16 sources, fp32 parameters: outputs keep each input's dtype, values match closely."""
     sources, query, gain, dout = make_inputs(5, 33, 48, seed=16, dtype=torch.bfloat16)
-    got = grads(routing_triton.route_triton, sources, query, gain, 4, dout)
+    got = grads(routing_triton.route_triton, sources, query, gain, 4, dout, kernel_device)
     want = grads(route_reference, sources, query, gain, 4, dout)
     for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
         assert a.dtype == b.dtype, name
@@ -237,20 +244,24 @@ def test_triton_bf16_sources(routing_triton: ModuleType) -> None:
 
 
 @pytest.mark.triton_interpret
-def test_triton_zero_query_gives_the_mean(routing_triton: ModuleType) -> None:
+def test_triton_zero_query_gives_the_mean(routing_triton: ModuleType,
+                                         kernel_device: torch.device) -> None:
     sources, _, gain, _ = make_inputs(4, 33, 48, seed=4)
-    out, alpha = routing_triton.route_triton(sources, torch.zeros(48), gain, 4, EPS,
-                                             return_weights=True)
+    out, alpha = routing_triton.route_triton(sources.to(kernel_device),
+                                             torch.zeros(48, device=kernel_device),
+                                             gain.to(kernel_device), 4, EPS, return_weights=True)
+    out, alpha = out.cpu(), alpha.cpu()
     assert torch.equal(alpha, torch.full_like(alpha, 0.25))
     torch.testing.assert_close(out, sources.mean(dim=0), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.triton_interpret
-def test_triton_backward_is_deterministic(routing_triton: ModuleType) -> None:
+def test_triton_backward_is_deterministic(routing_triton: ModuleType,
+                                          kernel_device: torch.device) -> None:
     """query/gain gradients reduce over positions in fixed order: bitwise equal run to run."""
     sources, query, gain, dout = make_inputs(7, 33, 48, seed=21)
-    first = grads(routing_triton.route_triton, sources, query, gain, 4, dout)
-    second = grads(routing_triton.route_triton, sources, query, gain, 4, dout)
+    first = grads(routing_triton.route_triton, sources, query, gain, 4, dout, kernel_device)
+    second = grads(routing_triton.route_triton, sources, query, gain, 4, dout, kernel_device)
     for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), first, second):
         assert torch.equal(a, b), name
 
@@ -259,21 +270,25 @@ def test_triton_backward_is_deterministic(routing_triton: ModuleType) -> None:
 @pytest.mark.parametrize("src_dtype,acc_dtype", [(torch.float32, torch.float32),
                                                  (torch.bfloat16, torch.bfloat16),
                                                  (torch.bfloat16, torch.float32)])
-def test_triton_backward_accumulates_in_place(routing_triton: ModuleType, src_dtype: torch.dtype,
+def test_triton_backward_accumulates_in_place(routing_triton: ModuleType,
+                                              kernel_device: torch.device, src_dtype: torch.dtype,
                                               acc_dtype: torch.dtype) -> None:
     """``accumulate_into`` adds the source gradients to what the buffer holds (a view into a
     larger buffer, as the model passes it); the query and gain gradients are unchanged."""
     n, m, d, heads = 5, 33, 48, 4
     sources, query, gain, dout = make_inputs(n, m, d, seed=31, dtype=src_dtype)
     dout = dout.to(src_dtype)
-    _, alpha = routing_triton._route_forward(sources, query, gain, heads, EPS)
-    want, dquery, dgain = routing_triton._route_backward(sources, query, gain, alpha, dout, heads, EPS)
-    big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(32)).to(acc_dtype)
-    prior = big[:n].clone()
-    got, dquery2, dgain2 = routing_triton._route_backward(sources, query, gain, alpha, dout, heads, EPS,
+    dev_args = [t.to(kernel_device) for t in (sources, query, gain)]
+    dev_dout = dout.to(kernel_device)
+    _, alpha = routing_triton._route_forward(*dev_args, heads, EPS)
+    want, dquery, dgain = routing_triton._route_backward(*dev_args, alpha, dev_dout, heads, EPS)
+    big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(32)).to(kernel_device, acc_dtype)
+    prior = big[:n].to("cpu", copy=True)  # before the kernel adds to ``big``
+    got, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, dev_dout, heads, EPS,
                                                           accumulate_into=big[:n])
     assert got.data_ptr() == big.data_ptr() and got.dtype == acc_dtype
     assert torch.equal(dquery2, dquery) and torch.equal(dgain2, dgain)
+    got, want = got.cpu(), want.cpu()
     if src_dtype == acc_dtype == torch.float32:  # the same fp32 add, in the kernel or here
         assert torch.equal(got, prior + want)
     else:  # the fp32 sum rounded once to the buffer's dtype; ``want`` was rounded to the sources'
@@ -305,11 +320,17 @@ def test_dispatcher_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.triton_interpret
-def test_dispatcher_runs_triton_when_interpreting(routing_triton: ModuleType) -> None:
-    cpu = torch.device("cpu")
-    assert "triton" in available_impls(cpu)
-    assert resolve_impl("auto", cpu) == "reference"  # the interpreter is never picked implicitly
+def test_dispatcher_runs_triton(routing_triton: ModuleType, kernel_device: torch.device) -> None:
+    """``impl="triton"`` runs the kernels where they run; ``auto`` picks them on CUDA only."""
+    assert "triton" in available_impls(kernel_device)
+    # the interpreter is never picked implicitly (on a GPU machine CPU tensors get the reference too)
+    assert resolve_impl("auto", torch.device("cpu")) == "reference"
+    if kernel_device.type == "cuda":
+        assert resolve_impl("auto", kernel_device) == "triton"
     sources, query, gain, _ = make_inputs(3, 5, 16, seed=3)
-    out, alpha = route(sources, query, gain, 2, EPS, impl="triton", return_weights=True)
+    out, alpha = route(*(t.to(kernel_device) for t in (sources, query, gain)), 2, EPS, impl="triton",
+                       return_weights=True)
+    assert out.device.type == alpha.device.type == kernel_device.type
+    out, alpha = out.cpu(), alpha.cpu()
     want_out, want_alpha = route_reference(sources, query, gain, 2, EPS, return_weights=True)
     assert rel_err(out, want_out) < 1e-5 and rel_err(alpha, want_alpha) < 1e-5

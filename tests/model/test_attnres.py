@@ -3,9 +3,17 @@
 The model's routing is checked against a test-local forward that follows the spec's text
 (sources, blocks, per-head softmax over depth) and calls the model's sublayers directly, so the
 residual module's state handling is tested, not only the routing kernel.
+
+Tests of ``impl="triton"`` run where the Triton kernels run (``impl_device``): on CUDA when a GPU
+is present, else in Triton's CPU interpreter. Their models and inputs are built on CPU from seeded
+generators and moved there; float64 references run on CPU and results are compared on CPU. All
+other tests (reference and ``torch.compile`` paths) run on CPU.
 """
 
 from __future__ import annotations
+
+import copy
+import os
 
 import pytest
 import torch
@@ -223,7 +231,7 @@ def test_generator_with_branch_only_steps_matches_full_forward():
 
 # ---- gradients and implementations ---------------------------------------------------------------
 def _grads(model, idx):
-    """Loss, parameter gradients and the gradient of the token embedding's output."""
+    """Loss, parameter gradients and the gradient of the token embedding's output (on CPU)."""
     model.zero_grad()
     emb = []
 
@@ -237,9 +245,9 @@ def _grads(model, idx):
     finally:
         hook.remove()
     out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    grads["tok_emb.output"] = emb[0].grad
-    return out.loss.detach(), grads
+    grads = {n: p.grad.to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
+    grads["tok_emb.output"] = emb[0].grad.cpu()
+    return out.loss.detach().cpu(), grads
 
 
 def assert_grads_close(got, want, name):
@@ -247,9 +255,20 @@ def assert_grads_close(got, want, name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=name)
 
 
-def _triton_or_skip(impl):
-    if impl == "triton" and "triton" not in available_impls(torch.device("cpu")):
-        pytest.skip("the Triton kernels run on CPU only in the interpreter (TRITON_INTERPRET=1)")
+def impl_device(impl):
+    """Where a test of routing ``impl`` runs: ``triton`` on CUDA when a GPU is present (natively),
+    else on CPU in Triton's interpreter, and skips when neither is possible; any other impl on CPU.
+
+    With ``TRITON_INTERPRET=1`` set by hand on a GPU machine the interpreter runs the kernels, on
+    CPU as in CI (tests/kernels/conftest.py's ``kernel_device`` makes the same choice).
+    """
+    if impl != "triton":
+        return torch.device("cpu")
+    interpreting = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+    device = torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
+    if "triton" not in available_impls(device):
+        pytest.skip("the Triton kernels need CUDA, or on CPU Triton's interpreter (TRITON_INTERPRET=1)")
+    return device
 
 
 # kind, blocks (attnres) or delta groups, heads, layers, decode branch (a second row group)
@@ -280,9 +299,9 @@ def test_buffered_path_gradients_equal_list_path(case, impl):
     The block and delta cases reuse a scratch slot for several partial sums; a gradient left in
     that slot (or handed out twice) changes the result by far more than the tolerance.
     """
-    _triton_or_skip(impl)
-    model = grad_model(case, impl)
-    idx = torch.randint(0, 97, (2, 6))
+    device = impl_device(impl)  # both paths run there: they differ only in the routing
+    model = grad_model(case, impl).to(device)
+    idx = torch.randint(0, 97, (2, 6)).to(device)
     model.residual.impl = "reference"
     model.residual.buffered = False
     loss_a, ga = _grads(model, idx)
@@ -302,17 +321,17 @@ def test_buffered_path_gradients_equal_list_path(case, impl):
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_buffered_gradient_accumulation_over_forwards(impl):
     """Two forwards alive at once, backwards in either order, add up to the separate gradients."""
-    _triton_or_skip(impl)
-    model = grad_model("block", impl, seed=12)
+    device = impl_device(impl)
+    model = grad_model("block", impl, seed=12).to(device)
     model.residual.buffered = True
-    a, b = torch.randint(0, 97, (2, 2, 5))
+    a, b = torch.randint(0, 97, (2, 2, 5)).to(device)
     ga, gb = _grads(model, a)[1], _grads(model, b)[1]
     model.zero_grad()
     loss_a, loss_b = model(a, a).loss, model(b, b).loss
     loss_b.backward()
     loss_a.backward()
     for name, p in model.named_parameters():
-        assert_grads_close(p.grad, ga[name] + gb[name], name)
+        assert_grads_close(p.grad.cpu(), ga[name] + gb[name], name)
 
 
 def test_buffered_path_under_torch_compile():
@@ -359,9 +378,10 @@ def test_buffered_state_lifetime():
 @pytest.mark.parametrize("grad_dtype", [None, torch.float32])
 def test_gradient_buffer_dtype(grad_dtype, monkeypatch):
     """bf16 sources: the gradient buffer is bf16 by default or fp32 when asked; either is close."""
-    _triton_or_skip("triton")
+    device = impl_device("triton")
     torch.manual_seed(14)
     res = randomize_stream(AttnResResidual(attnres_cfg(heads=2, blocks=2, impl="triton")), seed=15)
+    res_dev = copy.deepcopy(res).to(device)  # routes with Triton; ``res`` gives the fp64 reference on CPU
     x0 = torch.randn(4, 8, 32)
     weights = [torch.randn(32, 32) / 6 for _ in range(4)]
     upstream = torch.randn(4, 8, 32)
@@ -374,15 +394,16 @@ def test_gradient_buffer_dtype(grad_dtype, monkeypatch):
 
     monkeypatch.setattr(SourceBuffer, "grad_slots", record_dtype)
 
-    def input_grad(dtype, buffered):
+    def input_grad(res, dtype, buffered):
+        dev = res.queries[0].device
         res.impl, res.buffered, res.grad_dtype = ("triton" if buffered else "reference"), buffered, grad_dtype
-        x = x0.to(dtype).requires_grad_(True)
-        y, _ = _tiny_stack(res, x, [w.to(dtype) for w in weights])
-        y.backward(upstream.to(dtype))
-        return x.grad
+        x = x0.to(dev, dtype).requires_grad_(True)
+        y, _ = _tiny_stack(res, x, [w.to(dev, dtype) for w in weights])
+        y.backward(upstream.to(dev, dtype))
+        return x.grad.cpu()
 
-    exact = input_grad(torch.float64, False)
-    got = input_grad(torch.bfloat16, True)
+    exact = input_grad(res, torch.float64, False)
+    got = input_grad(res_dev, torch.bfloat16, True)
     assert got.dtype == torch.bfloat16 and seen == {grad_dtype or torch.bfloat16}
     assert ((got.double() - exact).norm() / exact.norm()).item() < 0.1
 
@@ -392,27 +413,30 @@ def test_bf16_source_storage(impl, buffered):
     """fp32 inputs with ``source_dtype = bf16``: sources are stored and routed in bf16, the input
     keeps an fp32 gradient, and both the output and that gradient stay within bf16 rounding of
     the fp64 result."""
-    _triton_or_skip(impl)
+    device = impl_device(impl)
     torch.manual_seed(16)
     res = randomize_stream(AttnResResidual(attnres_cfg(heads=2, blocks=2, impl=impl)), seed=17)
+    res_dev = copy.deepcopy(res).to(device)  # the run under test; ``res`` gives the fp64 reference on CPU
     x0 = torch.randn(4, 8, 32)
     weights = [torch.randn(32, 32) / 6 for _ in range(4)]
     upstream = torch.randn(4, 8, 32)
 
-    def run(dtype, source_dtype):
+    def run(res, impl, buffered, dtype, source_dtype):
+        dev = res.queries[0].device
         res.impl, res.buffered, res.source_dtype = impl, buffered, source_dtype
-        x = x0.to(dtype).requires_grad_(True)
+        x = x0.to(dev, dtype).requires_grad_(True)
         state = res.start(x)
         for site, w in enumerate(weights):  # sublayers compute in the input's dtype, as under autocast
-            state = res.write(state, site, torch.tanh(res.read(state, site).to(dtype) @ w.to(dtype)))
+            state = res.write(state, site, torch.tanh(res.read(state, site).to(dtype) @ w.to(dev, dtype)))
         y = res.final(state)
-        y.backward(upstream.to(y.dtype))
-        return y, x.grad
+        y.backward(upstream.to(dev, y.dtype))
+        return y.detach().cpu(), x.grad.cpu()
 
-    y_ref, g_ref = run(torch.float64, None)
-    y, g = run(torch.float32, torch.bfloat16)
-    res.source_dtype = None
-    assert y.dtype == torch.bfloat16 and g.dtype == torch.float32
+    # the fp64 reference: the eager list path on CPU, whichever impl is under test
+    y_ref, g_ref = run(res, "reference", False, torch.float64, None)
+    y, g = run(res_dev, impl, buffered, torch.float32, torch.bfloat16)
+    res_dev.source_dtype = None
+    assert y.dtype == torch.float32 and g.dtype == torch.float32  # reads come back in the input dtype
     assert ((y.double() - y_ref).norm() / y_ref.norm()).item() < 0.02
     assert ((g.double() - g_ref).norm() / g_ref.norm()).item() < 0.05
 

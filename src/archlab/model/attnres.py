@@ -96,6 +96,9 @@ from archlab.kernels.routing import resolve_impl, route
 from archlab.model.residual import ResidualStream, register_residual
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names; "auto" -> None
+
+
 # ---- block / group layout ---------------------------------------------------------------------
 def block_bounds(n_sites: int, n_blocks: int) -> list[int]:
     """First site of each of ``n_blocks`` contiguous blocks over ``n_sites``, then ``n_sites``."""
@@ -215,6 +218,9 @@ class DepthState:
     token: Tensor | None = None
     p: Tensor | None = None  # delta: the standard stream
     stream: int = 0  # index among the row groups of this forward (for recording)
+    #: dtype reads are returned in when it differs from ``dtype`` (bf16 sources in an fp32 model
+    #: without autocast); None: ``dtype``
+    read_dtype: torch.dtype | None = None
 
 
 class SourceBuffer:
@@ -367,11 +373,10 @@ class _DepthRouting(ResidualStream):
         #: resolved impl is ``reference``.
         self.buffered: bool | None = None
         #: dtype of the buffered path's source-gradient buffer; None: the sources' dtype
-        self.grad_dtype: torch.dtype | None = None
-        #: dtype the sources are stored (and routed) in; None: the embedding's (fp32 under
-        #: autocast). bf16 halves the routing's memory traffic; the sublayer outputs are bf16
-        #: under autocast anyway, so only the embedding source is rounded.
-        self.source_dtype: torch.dtype | None = None
+        self.grad_dtype: torch.dtype | None = _DTYPES.get(cfg.residual.grad_dtype)
+        #: dtype the sources are stored (and routed) in; None: the autocast dtype under autocast,
+        #: else the embedding's (``residual.source_dtype`` in the config says why)
+        self.source_dtype: torch.dtype | None = _DTYPES.get(cfg.residual.source_dtype)
         self.recorder: RoutingRecorder | None = None
         self._starts = 0  # row groups started in this forward (recording only)
         n_reads = self.n_sites + 1
@@ -426,9 +431,12 @@ class _DepthRouting(ResidualStream):
     def _new_state(self, x0: Tensor, first: Tensor) -> DepthState:
         """A state whose first source is ``first`` [M, d]."""
         impl, buffered = self._use_buffer(x0.device)
-        state = DepthState(shape=x0.shape, dtype=self.source_dtype or x0.dtype, device=x0.device,
-                           rows=first.shape[0], impl=impl,
-                           buffered=buffered)
+        autocast = torch.is_autocast_enabled(x0.device.type)
+        dtype = self.source_dtype
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(x0.device.type) if autocast else x0.dtype
+        state = DepthState(shape=x0.shape, dtype=dtype, device=x0.device, rows=first.shape[0], impl=impl,
+                           buffered=buffered, read_dtype=None if autocast or dtype == x0.dtype else x0.dtype)
         if self.recorder is not None:
             # The model starts every row group before its first read: number them in order.
             state.stream = self._starts
@@ -478,7 +486,7 @@ class _DepthRouting(ResidualStream):
                 out, weights = route(sources, query, gain, self.heads, self.eps, impl), None
         if want:
             self.recorder.add(state.stream, site, self.source_labels(site), weights, sources, out)
-        return out
+        return out if state.read_dtype is None else out.to(state.read_dtype)
 
     # ---- accounting ---------------------------------------------------------------------------------
     @staticmethod

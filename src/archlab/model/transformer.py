@@ -85,6 +85,15 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.head_dims = sorted({cfg.heads_at(i)[2] for i in range(cfg.n_layers)})
+        # RoPE cos/sin for every position up to max_seq_len, computed once. Computed inside the
+        # forward instead, torch.compile fuses the arange/pow/cos/sin into every rotation kernel
+        # and evaluates the transcendentals per element of q and k, in forward and backward:
+        # about a quarter of a 124m training step on an H200 (docs/benchmarks.md).
+        positions = torch.arange(cfg.max_seq_len)
+        for hd in self.head_dims:
+            cos, sin = rope_tables(hd, positions, cfg.rope_theta)
+            self.register_buffer(f"rope_cos_{hd}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{hd}", sin, persistent=False)
         self.reset_parameters()
 
     # ---- initialisation ----------------------------------------------------------------------
@@ -124,8 +133,15 @@ class Transformer(nn.Module):
         offsets = torch.arange(self.n_branches, device=idx.device) * self.cfg.vocab_size
         return self.branch_emb((idx[None] + offsets[:, None, None]).flatten(0, 1))
 
-    def _rope(self, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
-        return {hd: rope_tables(hd, positions, self.cfg.rope_theta) for hd in self.head_dims}
+    def _rope(self, positions: Tensor | int) -> dict[int, tuple[Tensor, Tensor]]:
+        """cos/sin per head dim: for positions ``0..positions-1`` (an int) or at the given
+        positions (a tensor, each below ``max_seq_len``)."""
+        tables = {hd: (getattr(self, f"rope_cos_{hd}"), getattr(self, f"rope_sin_{hd}")) for hd in self.head_dims}
+        if isinstance(positions, int):
+            if positions > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {positions} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            return {hd: (cos[:positions], sin[:positions]) for hd, (cos, sin) in tables.items()}
+        return {hd: (cos[positions], sin[positions]) for hd, (cos, sin) in tables.items()}
 
     def _aux_loss(self) -> Tensor | None:
         losses = [b.mlp.aux_loss for b in self.layers if b.mlp.aux_loss is not None]
@@ -135,7 +151,7 @@ class Transformer(nn.Module):
     def forward(self, idx: Tensor, targets: Tensor | None = None, with_branch: bool = True) -> ModelOutput:
         """Full causal forward over [B, T] tokens; with targets, the readout's loss."""
         b, t = idx.shape
-        ctx = AttnContext(rope=self._rope(torch.arange(t, device=idx.device)))
+        ctx = AttnContext(rope=self._rope(t))
         xs: Groups = [self.tok_emb(idx)]
         if self.n_branches and with_branch:
             xs.append(self._embed_branch(idx))
