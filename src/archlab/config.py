@@ -39,9 +39,10 @@ class ResidualConfig:
     # rounded, and the routing moves half the bytes), else the embedding's.
     source_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # dtype of the buffer in which the backward sums each source's gradient over its reads
-    # (impl compile/triton). auto: the sources' dtype. float32, as the MHAR paper does, costs
-    # more traffic under bf16 sources but rounds the sum once.
-    grad_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    # (impl compile/triton). auto: the sources' dtype (the kernel adds in fp32 and rounds once per
+    # read, as autograd's own bf16 sums did). float32, as the MHAR paper does, rounds the sum once
+    # but made a 124m step 28% slower on an H200 (docs/benchmarks.md).
+    grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 @dataclass
