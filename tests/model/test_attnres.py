@@ -251,8 +251,13 @@ def _grads(model, idx):
 
 
 def assert_grads_close(got, want, name):
-    """Within 1e-5 relative, elementwise, on the scale of the largest entry (sums run in another order)."""
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=name)
+    """Within 1e-4 relative, elementwise, on the scale of the largest entry.
+
+    fp32 noise alone reaches about 1e-5 here: in the block case the list path's own gradients are
+    0.9e-5 (of the largest entry) from float64 on CPU, and on an H200 the Triton path landed just
+    past 1e-5 for one query. A gradient delivered twice or leaked between partial sums is off by
+    O(1) of the entry, far above this tolerance."""
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()), msg=name)
 
 
 def impl_device(impl):
