@@ -41,7 +41,7 @@ class ResidualConfig:
     # dtype of the buffer in which the backward sums each source's gradient over its reads
     # (impl compile/triton). auto: the sources' dtype (the kernel adds in fp32 and rounds once per
     # read, as autograd's own bf16 sums did). float32, as the MHAR paper does, rounds the sum once
-    # but made a 124m step 28% slower on an H200 (docs/benchmarks.md).
+    # but made a 124m step take 28% longer on an H200 (docs/benchmarks.md).
     grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 

@@ -62,8 +62,13 @@ Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the devi
   *token* (a 0-dim tensor, created with ``requires_grad``) and returns the next one: the chain
   makes the reads' backwards run in exact reverse forward order. The first read's backward (it
   wrote slot 0) frees both buffers, so a buffered forward supports one backward. Without grad
-  there is no token and no gradient buffer. ``grad_dtype`` on the stream sets the gradient
-  buffer's dtype (default: the sources' dtype as stored, the embedding's: fp32 under autocast).
+  there is no token and no gradient buffer.
+
+  Dtypes (``residual.source_dtype`` / ``residual.grad_dtype``, the stream's ``source_dtype`` /
+  ``grad_dtype``): the sources are stored in the autocast dtype under autocast (bf16 on CUDA: the
+  sublayer outputs are bf16 there anyway, and the routing moves half the bytes), else in the
+  embedding's; the gradient buffer defaults to the sources' dtype. Reads come back in the model's
+  dtype when no autocast would cast them.
 
   Inside a ``torch.compile``d model the buffered read is a graph break
   (``torch.compiler.disable``); the routing kernel itself still runs compiled or fused.
