@@ -147,10 +147,14 @@ def test_final_loss_is_the_mean_of_the_last_k_evaluations(tmp_path: Path) -> Non
     assert row.costs == {k: v for k, v in plan.runs[0].costs.items() if k in row.costs}
 
 
+def managed_data_plan(tmp_path: Path, data: str):
+    """The fake suite with a suite-managed corpus (``data`` is the suite's data mapping)."""
+    text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace("budget:", f"data: {data}\nbudget:")
+    return build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+
+
 def test_managed_data_is_prepared_once(tmp_path: Path) -> None:
-    text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
-        "budget:", "data: {source: stdlib, max_mb: 1.5}\nbudget:")
-    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    plan = managed_data_plan(tmp_path, "{source: stdlib, max_mb: 1.5}")
     prep = FakePrepare()
     run_suite(plan, ResultStore(tmp_path / "o" / DB_NAME), list(plan.runs[:2]), train_fn=FakeTrainer(),
               prepare_fn=prep, console=quiet())
@@ -249,9 +253,7 @@ def test_recipe_data_is_prepared_from_the_recipe(tmp_path: Path, monkeypatch: py
     opened: list[tuple[str, int | None]] = []
     monkeypatch.setattr(recipes, "open_recipe",
                         lambda name, max_bytes=None: opened.append((name, max_bytes)) or f"<{name} source>")
-    text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
-        "budget:", "data: {recipe: shakespeare, max_mb: 2}\nbudget:")
-    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    plan = managed_data_plan(tmp_path, "{recipe: shakespeare, max_mb: 2}")
     prep = FakePrepare()
     run_suite(plan, ResultStore(tmp_path / "o" / DB_NAME), list(plan.runs[:1]), train_fn=FakeTrainer(),
               prepare_fn=prep, console=quiet())
