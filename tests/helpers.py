@@ -12,3 +12,15 @@ def tiny_model_cfg(**over):
     cfg = ModelConfig(**base)
     cfg.validate()
     return cfg
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``archlab ARGV`` in-process: (exit code, stdout, stderr); argparse's exits count too."""
+    from archlab.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

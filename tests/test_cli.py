@@ -8,17 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from archlab.cli import main
+from tests.helpers import run_cli
 from tests.conftest import SMALL
-
-
-def run_cli(*argv: str, capsys) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # argparse
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -43,45 +34,45 @@ def assert_one_line_error(code, err, expect_code, *words):
 ])
 def test_bad_config_is_one_line_exit_2_and_writes_nothing(override, words, tmp_path, capsys, stdlib_data):
     out = tmp_path / "run"
-    code, _, err = run_cli("train", "--out", str(out), "--set", f"data.path={stdlib_data}", "--set", override,
-                           "--set", "train.steps=0", capsys=capsys)
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--set", f"data.path={stdlib_data}", "--set", override,
+                           "--set", "train.steps=0")
     # train.steps=0 is itself invalid, so even a valid override must stop before writing anything
     assert_one_line_error(code, err, 2, *(words or ["train.steps"]))
     assert not out.exists()
 
 
 def test_bad_arguments_are_one_line(capsys):
-    code, _, err = run_cli("train", "--resume", "sometimes", capsys=capsys)
+    code, _, err = run_cli(capsys, "train", "--resume", "sometimes")
     assert_one_line_error(code, err, 2, "--resume")
-    code, _, err = run_cli("frobnicate", capsys=capsys)
+    code, _, err = run_cli(capsys, "frobnicate")
     assert_one_line_error(code, err, 2, "frobnicate")
 
 
 def test_missing_config_file_and_bad_yaml(tmp_path, capsys):
-    code, _, err = run_cli("info", "--config", str(tmp_path / "nope.yaml"), capsys=capsys)
+    code, _, err = run_cli(capsys, "info", "--config", str(tmp_path / "nope.yaml"))
     assert_one_line_error(code, err, 2, "does not exist")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {d_model: [\n")
-    code, _, err = run_cli("info", "--config", str(bad), capsys=capsys)
+    code, _, err = run_cli(capsys, "info", "--config", str(bad))
     assert_one_line_error(code, err, 2, "not valid YAML")
 
 
 def test_missing_data_directory(tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = run_cli("train", "--out", str(out), "--set", f"data.path={tmp_path / 'nodata'}", capsys=capsys)
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--set", f"data.path={tmp_path / 'nodata'}")
     assert_one_line_error(code, err, 1, "nodata")
     assert not out.exists()
 
 
 def test_eval_generate_info_on_a_trained_run(tiny_run, stdlib_data, capsys):
-    code, out, err = run_cli("eval", "--ckpt", str(tiny_run), "--batches", "2", "--batch-size", "2", capsys=capsys)
+    code, out, err = run_cli(capsys, "eval", "--ckpt", str(tiny_run), "--batches", "2", "--batch-size", "2")
     assert code == 0, err
     assert "bits/byte" in out
-    code, out, err = run_cli("generate", "--ckpt", str(tiny_run), "--prompt", "def main(", "--prompt", "import",
-                             "--max-new-tokens", "8", "--temperature", "0", capsys=capsys)
+    code, out, err = run_cli(capsys, "generate", "--ckpt", str(tiny_run), "--prompt", "def main(", "--prompt", "import",
+                             "--max-new-tokens", "8", "--temperature", "0")
     assert code == 0, err
     assert out.startswith("def main(") and "import" in out
-    code, out, err = run_cli("info", "--set", "model.branch.enabled=true", "--context", "256", capsys=capsys)
+    code, out, err = run_cli(capsys, "info", "--set", "model.branch.enabled=true", "--context", "256")
     assert code == 0, err
     assert "without decode branch" in out and "prefill FLOPs / token" in out and "1.000x" in out
 
@@ -101,11 +92,11 @@ def test_damaged_checkpoint_is_reported_and_left_alone(damage, tiny_run, stdlib_
     else:
         (ck / "state.json").write_text("{not json")
     before = snapshot(run)
-    code, _, err = run_cli("eval", "--ckpt", str(run), capsys=capsys)
+    code, _, err = run_cli(capsys, "eval", "--ckpt", str(run))
     assert_one_line_error(code, err, 1, str(ck))
     # resuming training into it fails the same way and changes nothing
     sets = [*SMALL, f"data.path={stdlib_data}", "train.steps=12", "train.ckpt_every=3", "train.eval_every=3"]
-    code, _, err = run_cli("train", "--out", str(run), *sum((["--set", s] for s in sets), []), capsys=capsys)
+    code, _, err = run_cli(capsys, "train", "--out", str(run), *sum((["--set", s] for s in sets), []))
     assert_one_line_error(code, err, 1, str(ck))
     assert snapshot(run) == before
 
@@ -116,12 +107,12 @@ def test_tokenizer_data_mismatch(tiny_run, tmp_path, capsys):
     other = tmp_path / "other"
     prepare("stdlib", other, vocab_size=300, max_bytes=200_000)
     before = snapshot(tiny_run)
-    code, _, err = run_cli("eval", "--ckpt", str(tiny_run), "--data", str(other), capsys=capsys)
+    code, _, err = run_cli(capsys, "eval", "--ckpt", str(tiny_run), "--data", str(other))
     assert_one_line_error(code, err, 1, "tokenizer")
     assert snapshot(tiny_run) == before
 
 
 def test_data_info(stdlib_data, capsys):
-    code, out, err = run_cli("data", "info", str(stdlib_data), capsys=capsys)
+    code, out, err = run_cli(capsys, "data", "info", str(stdlib_data))
     assert code == 0, err
     assert "train" in out and "val" in out

@@ -97,12 +97,17 @@ def test_split_is_disjoint_non_empty_and_deterministic(stdlib_dir: Path, tmp_pat
     assert val3 and val3 != val
 
 
+def doc_folder(folder: Path, docs: Docs) -> Path:
+    """A folder source holding ``docs`` as one ``.txt`` file each."""
+    folder.mkdir()
+    for name, doc in docs:
+        (folder / f"{name}.txt").write_text(doc)
+    return folder
+
+
 def test_tiny_corpus_still_gets_a_val_document(real_docs: Docs, tmp_path: Path) -> None:
     """Two documents and val_frac=0.02: the hash rule alone would put both in train."""
-    folder = tmp_path / "two"
-    folder.mkdir()
-    for name, doc in real_docs[:2]:
-        (folder / f"{name}.txt").write_text(doc)
+    folder = doc_folder(tmp_path / "two", real_docs[:2])
     m = prepare(str(folder), tmp_path / "out", vocab_size=300, val_frac=0.02)
     assert (m["splits"]["train"]["n_docs"], m["splits"]["val"]["n_docs"]) == (1, 1)
 
@@ -121,10 +126,7 @@ def test_literal_end_of_text_in_a_document_is_plain_text(tmp_path: Path) -> None
 
 
 def test_overwrite_replaces_and_leaves_nothing_behind(real_docs: Docs, tmp_path: Path) -> None:
-    folder = tmp_path / "docs"
-    folder.mkdir()
-    for name, doc in real_docs:
-        (folder / f"{name}.txt").write_text(doc)
+    folder = doc_folder(tmp_path / "docs", real_docs)
     out = tmp_path / "out"
     first = prepare(str(folder), out, vocab_size=300)
     second = prepare(str(folder), out, vocab_size=400, overwrite=True)
@@ -133,10 +135,7 @@ def test_overwrite_replaces_and_leaves_nothing_behind(real_docs: Docs, tmp_path:
 
 
 def test_interrupted_overwrite_keeps_the_old_data(real_docs: Docs, tmp_path: Path) -> None:
-    folder = tmp_path / "docs"
-    folder.mkdir()
-    for name, doc in real_docs:
-        (folder / f"{name}.txt").write_text(doc)
+    folder = doc_folder(tmp_path / "docs", real_docs)
     out = tmp_path / "out"
     prepare(str(folder), out, vocab_size=300)
     before = snapshot(out)

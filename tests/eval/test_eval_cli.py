@@ -7,18 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from archlab.cli import main
+from tests.helpers import run_cli
 from tests.eval.conftest import lambada_items, mc_items
 from tests.eval.test_tasks import PIQA, write_save_to_disk
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # argparse
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
