@@ -36,15 +36,18 @@ VARIANTS = {
     "baseline": [],
     "decode-branch": ["model.branch.enabled=true"],
     "attnres-reference": ["model.residual.kind=attnres", "model.residual.impl=reference"],
+    # the reference routing in an uncompiled model: the "eager" row
+    "attnres-eager": ["model.residual.kind=attnres", "model.residual.impl=reference", "train.compile=false"],
     "attnres-compile": ["model.residual.kind=attnres", "model.residual.impl=compile"],
     "attnres-triton": ["model.residual.kind=attnres", "model.residual.impl=triton"],
     "mhar4-triton": ["model.residual.kind=attnres", "model.residual.heads=4", "model.residual.impl=triton"],
     "mhar8-triton": ["model.residual.kind=attnres", "model.residual.heads=8", "model.residual.impl=triton"],
+    "block8-attnres-triton": ["model.residual.kind=attnres", "model.residual.blocks=8", "model.residual.impl=triton"],
     "block8-mhar4-triton": ["model.residual.kind=attnres", "model.residual.heads=4", "model.residual.blocks=8",
                             "model.residual.impl=triton"],
     "moe8x2": ["model.ffn=moe", "model.moe.n_experts=8", "model.moe.top_k=2"],
 }
-# The routing's dtype options (defaults: bf16 sources under autocast, fp32 gradient sums).
+# The routing's dtype options (defaults: bf16 sources under autocast, gradient sums in bf16 too).
 for _name in ("attnres-triton", "mhar4-triton"):
     VARIANTS[f"{_name}-fp32src"] = [*VARIANTS[_name], "model.residual.source_dtype=float32"]
     VARIANTS[f"{_name}-bf16grad"] = [*VARIANTS[_name], "model.residual.grad_dtype=bfloat16"]

@@ -280,11 +280,11 @@ def test_triton_backward_accumulates_in_place(routing_triton: ModuleType,
     dout = dout.to(src_dtype)
     dev_args = [t.to(kernel_device) for t in (sources, query, gain)]
     dev_dout = dout.to(kernel_device)
-    _, alpha = routing_triton._route_forward(*dev_args, heads, EPS)
-    want, dquery, dgain = routing_triton._route_backward(*dev_args, alpha, dev_dout, heads, EPS)
+    out, alpha = routing_triton._route_forward(*dev_args, heads, EPS)
+    want, dquery, dgain = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS)
     big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(32)).to(kernel_device, acc_dtype)
     prior = big[:n].to("cpu", copy=True)  # before the kernel adds to ``big``
-    got, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, dev_dout, heads, EPS,
+    got, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS,
                                                           accumulate_into=big[:n])
     assert got.data_ptr() == big.data_ptr() and got.dtype == acc_dtype
     assert torch.equal(dquery2, dquery) and torch.equal(dgain2, dgain)

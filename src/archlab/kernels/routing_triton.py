@@ -23,10 +23,13 @@ Backward (``_route_bwd_kernel``), with ``n_i = s_i / r_i`` and ``qg = query * ga
     P[j]         = sum_{positions, i} dlogit_{i,h(j)} n_i[j]
     dquery       = gain * P,   dgain = query * P
 
-``D_h`` needs every source before any ``ds_i`` can be written, so each program makes two passes
-over its sources (one for ``D``, one for ``ds``); that keeps the saved state to ``alpha`` alone
-and ``D`` exact in fp32 for any input dtype. All arithmetic is fp32; ``ds`` is cast to the
-output's dtype only when stored.
+``D_h`` is needed before any ``ds_i`` can be written. Since ``out = sum_i alpha_i s_i``, it equals
+``dout[h] . out[h]``, so the backward takes it from the forward's output and makes a single pass
+over the sources (a first pass computing ``D`` from the sources would read them all twice). The
+output is the next sublayer's input, which that sublayer keeps for its own backward, so saving it
+costs no memory; with low-precision sources ``D`` then carries ``out``'s rounding, the same
+rounding every consumer of the read sees. All arithmetic is fp32; ``ds`` is cast to the output's
+dtype only when stored.
 
 With ``ACCUMULATE`` the second pass adds ``ds_i`` to what ``dsources`` holds (load, add in fp32,
 store) instead of overwriting it. The model's buffered routing uses that to sum the gradients of
@@ -125,13 +128,13 @@ def _route_fwd_kernel(
 
 @triton.jit
 def _route_bwd_kernel(
-    src_ptr, query_ptr, gain_ptr, dout_ptr, w_ptr, dsrc_ptr, part_ptr,
+    src_ptr, query_ptr, gain_ptr, out_ptr, dout_ptr, w_ptr, dsrc_ptr, part_ptr,
     N, M, D, H, DH, BLOCKS_PER_PROG,
-    stride_sn, stride_sm, stride_dom, stride_dsn, stride_dsm, stride_wn,
+    stride_sn, stride_sm, stride_om, stride_dom, stride_dsn, stride_dsm, stride_wn,
     eps,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Persistent program: ``BLOCKS_PER_PROG`` consecutive position blocks, two passes each.
+    """Persistent program: ``BLOCKS_PER_PROG`` consecutive position blocks, one pass each.
 
     Writes ``dsources`` (``ACCUMULATE``: adds to it) and this program's partial ``P`` (row
     ``pid`` of ``part_ptr`` [G, d]).
@@ -157,20 +160,12 @@ def _route_bwd_kernel(
         dout = tl.load(dout_ptr + rows[:, None, None] * stride_dom + col[None, :, :],
                        mask=mask, other=0.0).to(tl.float32)
 
-        # Pass 1: D_h = sum_i alpha_{i,h} (dout[h] . s_i[h]).
-        # Both passes prefetch source i+1 and its weights, as the forward does.
-        delta = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
-        s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
-        alpha_next = tl.load(w_ptr + w_off, mask=w_mask, other=0.0)
-        for i in range(N):
-            s = s_next.to(tl.float32)
-            alpha = alpha_next
-            nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
-            s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
-            alpha_next = tl.load(w_ptr + nxt * stride_wn + w_off, mask=w_mask, other=0.0)
-            delta += alpha * tl.sum(dout * s, axis=2)
+        # D_h = sum_i alpha_{i,h} (dout[h] . s_i[h]) = dout[h] . out[h], since out = sum_i alpha_i s_i.
+        out = tl.load(out_ptr + rows[:, None, None] * stride_om + col[None, :, :],
+                      mask=mask, other=0.0).to(tl.float32)
+        delta = tl.sum(dout * out, axis=2)
 
-        # Pass 2: recompute the norms and write ds_i; accumulate P.
+        # One pass over the sources: recompute the norms, write ds_i, accumulate P.
         dsrc_i = dsrc_ptr
         s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
         alpha_next = tl.load(w_ptr + w_off, mask=w_mask, other=0.0)
@@ -289,13 +284,13 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
 
 
 def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
-                    weights: torch.Tensor, dout: torch.Tensor, heads: int, eps: float,
+                    weights: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, heads: int, eps: float,
                     accumulate_into: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch both backward stages; returns ``(dsources, dquery, dgain)`` in the input dtypes.
 
-    ``weights`` is alpha as ``_route_forward`` returned it (contiguous [N, M, H] fp32) and
-    ``dout`` must have unit stride over ``d``. With ``accumulate_into`` (an [N, M, d] tensor of
+    ``weights`` and ``out`` are what ``_route_forward`` returned (alpha contiguous [N, M, H]
+    fp32; ``out`` [M, d]) and ``dout`` [M, d]; ``out`` and ``dout`` need unit stride over ``d``. With ``accumulate_into`` (an [N, M, d] tensor of
     any float dtype, unit stride over ``d``) the source gradients are added to it in place
     (summed in fp32, rounded once) and it is returned as ``dsources``; without, a fresh tensor of
     the sources' dtype is written. Besides ``_RouteFunction``, the model's buffered routing
@@ -317,9 +312,9 @@ def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tens
     block_d = min(128, triton.next_power_of_2(d))
     with _device_guard(sources):
         _route_bwd_kernel[(programs,)](
-            sources, query, gain, dout, weights, dsources, partials,
+            sources, query, gain, out, dout, weights, dsources, partials,
             n, m, d, heads, d // heads, triton.cdiv(n_blocks, programs),
-            sources.stride(0), sources.stride(1), dout.stride(0), dsources.stride(0),
+            sources.stride(0), sources.stride(1), out.stride(0), dout.stride(0), dsources.stride(0),
             dsources.stride(1), weights.stride(0),
             eps,
             BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh,
@@ -332,14 +327,14 @@ def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tens
 
 
 class _RouteFunction(torch.autograd.Function):
-    """Autograd wrapper: saves the inputs and alpha; the backward recomputes the norms."""
+    """Autograd wrapper: saves the inputs, alpha and the output; the backward recomputes the norms."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, sources: torch.Tensor,
                 query: torch.Tensor, gain: torch.Tensor, heads: int, eps: float,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         out, weights = _route_forward(sources, query, gain, heads, eps)
-        ctx.save_for_backward(sources, query, gain, weights)
+        ctx.save_for_backward(sources, query, gain, weights, out)
         ctx.heads = heads
         ctx.eps = eps
         ctx.mark_non_differentiable(weights)
@@ -349,10 +344,10 @@ class _RouteFunction(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor,
                  _dweights: torch.Tensor | None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        sources, query, gain, weights = ctx.saved_tensors
+        sources, query, gain, weights, out = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dsources, dquery, dgain = _route_backward(sources, query, gain, weights, dout, ctx.heads,
+        dsources, dquery, dgain = _route_backward(sources, query, gain, weights, out, dout, ctx.heads,
                                                   ctx.eps)
         return dsources, dquery, dgain, None, None
 

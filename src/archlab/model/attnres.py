@@ -297,14 +297,14 @@ class _BufferedRoute(torch.autograd.Function):
         # A partial sum's slot is overwritten later in this forward; backward writes it back.
         scratch = [(slot, src) for (slot, is_scratch), src in zip(slots, written) if is_scratch]
         ctx.scratch_slots = [slot for slot, _ in scratch]
-        ctx.save_for_backward(query, gain, weights, *(src for _, src in scratch))
+        ctx.save_for_backward(query, gain, weights, out, *(src for _, src in scratch))
         ctx.mark_non_differentiable(weights)
         return out, weights, token.new_empty(())
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, _dweights: Tensor | None, _dtoken: Tensor | None):
         store = ctx.store
-        query, gain, weights, *scratch = ctx.saved_tensors
+        query, gain, weights, out, *scratch = ctx.saved_tensors
         dquery = dgain = None
         if dout is not None:
             grad = store.grad_slots(ctx.n)
@@ -313,7 +313,7 @@ class _BufferedRoute(torch.autograd.Function):
             sources = store.buf[:ctx.n]
             backward_kernel = _triton_backward() if ctx.impl == "triton" else None
             if backward_kernel is not None:
-                _, dquery, dgain = backward_kernel(sources, query, gain, weights, dout.contiguous(),
+                _, dquery, dgain = backward_kernel(sources, query, gain, weights, out, dout.contiguous(),
                                                    ctx.heads, ctx.eps, accumulate_into=grad)
             else:
                 with torch.enable_grad():
@@ -354,6 +354,12 @@ def _buffered_route(stream: _DepthRouting, state: DepthState, query: Tensor, gai
     out, weights, state.token = _BufferedRoute.apply(store, n, slots, stream.heads, stream.eps, state.impl,
                                                      query, gain, state.token, *(s for _, s, _ in written))
     return out, weights
+
+
+@torch.compiler.disable
+def _without_dynamo(fn, *args):
+    """``fn(*args)``, run outside dynamo even inside a compiled model (see ``_DepthRouting.read``)."""
+    return fn(*args)
 
 
 # ---- shared machinery -----------------------------------------------------------------------------
@@ -493,6 +499,34 @@ class _DepthRouting(ResidualStream):
             self.recorder.add(state.stream, site, self.source_labels(site), weights, sources, out)
         return out if state.read_dtype is None else out.to(state.read_dtype)
 
+    # ---- the stream interface ---------------------------------------------------------------------
+    # ``_read`` / ``_write`` are the stream's own logic. A buffered read is a graph break in a
+    # compiled model, and one inside the model's loop over layers makes dynamo run that loop
+    # eagerly and compile each sublayer and each of these calls as separate frames. These frames
+    # index per-site lists, so dynamo would compile them once per site until its recompile limit
+    # (8) and then run them uncompiled anyway; for buffered states they skip dynamo from the start.
+    # The list path has no graph break, and its model compiles as one graph.
+    def _read(self, state: DepthState, site: int) -> Tensor:
+        raise NotImplementedError
+
+    def _write(self, state: DepthState, site: int, out: Tensor) -> None:
+        raise NotImplementedError
+
+    def read(self, state: DepthState, site: int) -> Tensor:
+        if state.buffered:
+            return _without_dynamo(self._read, state, site)
+        return self._read(state, site)
+
+    def write(self, state: DepthState, site: int, out: Tensor) -> DepthState:
+        if state.buffered:
+            _without_dynamo(self._write, state, site, out)
+        else:
+            self._write(state, site, out)
+        return state
+
+    def final(self, state: DepthState) -> Tensor:
+        return self.read(state, self.n_sites)
+
     # ---- accounting ---------------------------------------------------------------------------------
     @staticmethod
     def _read_flops(cfg: ModelConfig, n_blocks: int) -> int:
@@ -514,15 +548,11 @@ class AttnResResidual(_DepthRouting):
     def start(self, x0: Tensor) -> DepthState:
         return self._new_state(x0, x0.reshape(-1, x0.shape[-1]))
 
-    def read(self, state: DepthState, site: int) -> Tensor:
+    def _read(self, state: DepthState, site: int) -> Tensor:
         return self._route(state, site).view(state.shape)
 
-    def write(self, state: DepthState, site: int, out: Tensor) -> DepthState:
+    def _write(self, state: DepthState, site: int, out: Tensor) -> None:
         self._accumulate(state, site, out)
-        return state
-
-    def final(self, state: DepthState) -> Tensor:
-        return self._route(state, self.n_sites).view(state.shape)
 
     @staticmethod
     def param_count(cfg: ModelConfig) -> int:
@@ -560,20 +590,13 @@ class DeltaResidual(_DepthRouting):
         state.p = x0
         return state
 
-    def _gated(self, state: DepthState, site: int) -> Tensor:
+    def _read(self, state: DepthState, site: int) -> Tensor:
         r = self._route(state, site).view(state.shape)
         return state.p + self.gates[site].to(r.dtype) * r
 
-    def read(self, state: DepthState, site: int) -> Tensor:
-        return self._gated(state, site)
-
-    def write(self, state: DepthState, site: int, out: Tensor) -> DepthState:
+    def _write(self, state: DepthState, site: int, out: Tensor) -> None:
         state.p = state.p + out
         self._accumulate(state, site, out)
-        return state
-
-    def final(self, state: DepthState) -> Tensor:
-        return self._gated(state, self.n_sites)
 
     @staticmethod
     def param_count(cfg: ModelConfig) -> int:
