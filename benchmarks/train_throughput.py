@@ -6,7 +6,9 @@
 
 A variant name ending in ``/mb4`` runs with a quarter of the micro-batch and four times the
 gradient accumulation (same tokens per step), for variants whose activations do not fit
-otherwise (the eager reference routing). ``--profile VARIANT`` also profiles three steps of
+otherwise (the eager reference routing). ``/graph`` replays the step as one CUDA graph
+(``train.cuda_graph``); suffixes combine (``attnres-triton/graph/mb4``). Warm-up must cover the
+graph's three ordinary steps and its capture, so use ``--warmup`` of at least 5 with ``/graph``. ``--profile VARIANT`` also profiles three steps of
 that variant with torch.profiler and prints where the GPU time goes by kernel category and
 how much of the step the GPU is busy at all (the rest is host and launch time).
 
@@ -103,9 +105,12 @@ def profile_steps(run: Run, first_step: int, steps: int = 3) -> dict:
 
 def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compile_: bool,
             extra: list[str], profile: bool = False) -> dict:
-    name, micro4 = (variant[:-4], True) if variant.endswith("/mb4") else (variant, False)
+    name, *mods = variant.split("/")
+    if unknown := set(mods) - {"mb4", "graph"}:
+        raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph")
+    micro4 = "mb4" in mods
     overrides = [f"data.path={data}", "train.device=cuda", f"train.compile={str(compile_).lower()}",
-                 *VARIANTS[name], *extra]
+                 *VARIANTS[name], *(["train.cuda_graph=true"] if "graph" in mods else []), *extra]
     cfg = make_config(preset, overrides=overrides)
     if micro4:
         if cfg.train.batch_size % 4:

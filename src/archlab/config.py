@@ -192,6 +192,9 @@ class TrainConfig:
     keep_ckpts: int = 2
     log_every: int = 10
     compile: bool = False
+    # replay the whole step as one CUDA graph after a few warm-up steps (CUDA only; for models
+    # whose step is host-bound, e.g. AttnRes's graph-broken routing reads; train/cuda_graph.py)
+    cuda_graph: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = 0  # CPU threads for torch (0 = torch's default)

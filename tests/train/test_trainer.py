@@ -7,9 +7,10 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from archlab.config import make_config
-from archlab.errors import CheckpointError, TrainingDiverged
+from archlab.errors import CheckpointError, ConfigError, TrainingDiverged
 from archlab.train import trainer as trainer_mod
 from archlab.train.trainer import lr_at, train
 from tests.conftest import small_config
@@ -86,3 +87,42 @@ def test_schedules(schedule):
         assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     else:  # stable until the last 20% of steps, then linear decay to the floor
         assert lrs[79] == 1.0 and lrs[80] == 1.0 and lrs[99] == pytest.approx(0.1 + 0.9 / 20)
+
+
+# ---- train.cuda_graph --------------------------------------------------------------------------
+def test_cuda_graph_needs_cuda(stdlib_data, tmp_path):
+    """On CPU the option fails at start, with one line, before anything is written."""
+    cfg = small_config(stdlib_data, "train.cuda_graph=true", "train.device=cpu")
+    with pytest.raises(ConfigError, match="train.cuda_graph needs a CUDA device"):
+        train(cfg, tmp_path / "r", show_progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+def test_checkpoint_holds_a_device_tensor_learning_rate_as_a_number():
+    """With the graph, AdamW's rate is a tensor; the checkpoint's JSON state holds its value."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=torch.tensor(0.25))
+    p.grad = torch.ones(3)
+    opt.step()
+    tensors, meta = trainer_mod._optim_tensors(opt)
+    assert json.loads(json.dumps(meta))["param_groups"][0]["lr"] == 0.25
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    trainer_mod._load_optim(fresh, tensors, meta)
+    assert fresh.param_groups[0]["lr"] == 0.25
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("residual", ["standard", "attnres"])
+def test_cuda_graph_step_matches_the_ordinary_step(stdlib_data, tmp_path, residual):
+    """Replayed steps follow the ordinary steps' loss curve, past the warm-up and the capture."""
+    extra = ("train.steps=9", "train.log_every=1", "train.eval_every=9", "train.ckpt_every=9",
+             "train.device=cuda", f"model.residual.kind={residual}")
+    curves = {}
+    for graph in (False, True):
+        out = tmp_path / f"graph{graph}"
+        train(small_config(stdlib_data, *extra, f"train.cuda_graph={str(graph).lower()}"), out,
+              show_progress=False)
+        curves[graph] = _losses(out)
+    assert [s for s, _ in curves[True]] == list(range(1, 10))
+    # The graph's AdamW reads a float32 rate from a tensor; the ordinary step a Python float.
+    np.testing.assert_allclose([l for _, l in curves[True]], [l for _, l in curves[False]], rtol=1e-3)

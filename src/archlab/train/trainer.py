@@ -1,7 +1,7 @@
 """The trainer: one obvious path from prepared data to a trained, checkpointed model.
 
-The whole training step is ``_train_step``; everything else is bookkeeping (schedule, evaluation,
-checkpoints, logs). Determinism: the batch at step k depends only on (data seed, k), the weights
+The whole training step is ``train_step`` and ``_update``; everything else is bookkeeping
+(schedule, evaluation, checkpoints, logs). Determinism: the batch at step k depends only on (data seed, k), the weights
 only on the init seed, and a checkpoint stores optimizer moments and RNG states, so a resumed run
 continues exactly as if it had never stopped (bitwise on CPU).
 """
@@ -23,6 +23,7 @@ from archlab.errors import CheckpointError, TrainingDiverged
 from archlab.model import build_model
 from archlab.model.accounting import mfu_flops_per_token, param_counts
 from archlab.train import checkpoint as ckpt_io
+from archlab.train.cuda_graph import GraphedStep
 from archlab.train.device import device_name, peak_flops, resolve_device
 from archlab.train.progress import TrainProgress
 
@@ -78,7 +79,9 @@ def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor],
     for idx, st in sd["state"].items():
         for k, v in st.items():
             tensors[f"state.{idx}.{k}"] = v.detach().cpu().contiguous()
-    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+    # With train.cuda_graph the learning rate is a device tensor; JSON holds its value.
+    groups = [{k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in g.items()}
+              for g in sd["param_groups"]]
     return tensors, {"param_groups": groups}
 
 
@@ -110,23 +113,33 @@ class Run:
         use_bf16 = tc.dtype == "bfloat16" or (tc.dtype == "auto" and self.device.type == "cuda")
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext())
         self.step_fn = torch.compile(self.model) if tc.compile else self.model
+        self.graphed = GraphedStep(self._update, self.opt, self.device) if tc.cuda_graph else None
         self.step = 0
 
     # The whole training step. Returns the loss as a tensor: reading it would make the host wait
     # for the device, so the loop reads it one step later, while the next step is already queued.
     def train_step(self, step: int) -> torch.Tensor:
         tc = self.cfg.train
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(step, tc)
-        total = torch.zeros((), device=self.device)
+        batches = []
         for micro in range(tc.grad_accum):
             x, y = self.data.train_batch(step, micro, tc.batch_size, tc.seq_len, self.cfg.data.seed)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            batches.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+        if self.graphed is not None:  # the same update, replayed as one CUDA graph
+            self.graphed.set_lr(lr_at(step, tc))
+            return self.graphed(batches)
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        return self._update(batches)
+
+    def _update(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward over the micro-batches, clipping, AdamW; the mean loss."""
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
             with self.autocast:
-                loss = self.step_fn(x, y).loss / tc.grad_accum
+                loss = self.step_fn(x, y).loss / len(batches)
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total
