@@ -9,8 +9,10 @@ the reference, ``torch.compile`` and Triton versions, forward alone and forward 
 Bandwidth: routing is memory-bound, so each time is also shown as GB/s over the minimum traffic
 of the op. Forward: the sources read once plus the output written once, ``(N + 1) * M * d``
 elements. Forward + backward adds the backward's minimum: the upstream gradient and the
-sources read once, the source gradients written once, ``(2N + 1) * M * d`` more. (The Triton
-backward reads the sources twice, so it cannot reach that figure's peak.)
+sources read once, the source gradients written once, ``(2N + 1) * M * d`` more.
+
+``--tiles 1:2 2:4 ...`` also times the Triton kernels with other tiles (rows per program and
+warps, for both kernels), the way ``routing_triton._tiles`` was tuned.
 
 Run on a CUDA machine: ``PYTHONPATH=src python benchmarks/attnres_kernels.py`` (``--help`` for
 a smaller sweep). Without CUDA it prints one line and exits 0.
@@ -54,7 +56,15 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
     parser.add_argument("--impls", nargs="+", choices=["reference", "compile", "triton"],
                         default=["reference", "compile", "triton"], help="implementations to time")
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="BM:WARPS",
+                        help="also time the Triton kernels with these tiles")
     args = parser.parse_args()
+    try:
+        tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
+        if any(len(t) != 2 or min(t) < 1 for t in tiles):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--tiles takes ROWS:WARPS pairs of positive integers, got {args.tiles}")
 
     if not torch.cuda.is_available():
         print("attnres_kernels: no CUDA device; nothing to benchmark")
@@ -64,6 +74,7 @@ def main() -> int:
 
     from archlab.kernels.routing_compiled import route_compiled
     from archlab.kernels.routing_reference import route_reference
+    from archlab.kernels import routing_triton
     from archlab.kernels.routing_triton import route_triton
 
     # Every (dtype, heads) pair is a fresh graph for torch.compile; the default recompile limit
@@ -71,6 +82,7 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 256
     # Inductor's note that it split a reduction would interleave with the table.
     warnings.filterwarnings("ignore", message="Online softmax is disabled")
+    default_tiles = routing_triton._tiles
     impls: dict[str, Callable[..., torch.Tensor]] = {
         "reference": route_reference, "compile": route_compiled, "triton": route_triton}
     device = torch.device("cuda")
@@ -103,8 +115,15 @@ def main() -> int:
                     fwd_bytes = (n + 1) * args.m * d * elem
                     bwd_bytes = (2 * n + 1) * args.m * d * elem
                     leaves = [x.detach().clone().requires_grad_() for x in (sources, query, gain)]
-                    for name in args.impls:
+                    runs = [(name, None) for name in args.impls]
+                    runs += [("triton", tile) for tile in tiles]
+                    for name, tile in runs:
                         fn = impls[name]
+                        if tile is not None:
+                            t = routing_triton._tiles(args.m, d, heads, device)
+                            routing_triton._tiles = (lambda *_a, t=t, tile=tile: routing_triton._Tiles(
+                                tile[0], t.block_h, t.block_dh, tile[1]))
+                            name = f"triton {tile[0]}:{tile[1]}"
 
                         def forward() -> torch.Tensor:
                             with torch.no_grad():
@@ -122,6 +141,7 @@ def main() -> int:
                         print(f"| {dtype_name} | {d} | {n} | {heads} | {cells} | {name} | "
                               f"{t_fwd:.3f} | {fwd_bytes / t_fwd / 1e6:.0f} | {t_all:.3f} | "
                               f"{(fwd_bytes + bwd_bytes) / t_all / 1e6:.0f} |", flush=True)
+                        routing_triton._tiles = default_tiles
                     del sources, dout, leaves
                     torch.cuda.empty_cache()
     print(f"\nworst fp32 relative error, triton vs reference: {worst:.2e}")
