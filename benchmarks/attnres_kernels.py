@@ -122,7 +122,7 @@ def main() -> int:
                         if tile is not None:
                             t = routing_triton._tiles(args.m, d, heads, device)
                             routing_triton._tiles = (lambda *_a, t=t, tile=tile: routing_triton._Tiles(
-                                tile[0], t.block_h, t.block_dh, tile[1]))
+                                tile[0], t.block_h, t.block_dh, tile[1], tile[1]))
                             name = f"triton {tile[0]}:{tile[1]}"
 
                         def forward() -> torch.Tensor:

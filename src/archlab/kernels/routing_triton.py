@@ -221,7 +221,8 @@ class _Tiles:
     block_m: int
     block_h: int
     block_dh: int
-    num_warps: int
+    num_warps: int  # backward
+    fwd_warps: int
 
 
 def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
@@ -233,6 +234,12 @@ def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
     cross-warp reductions stall every step. Narrow rows are packed up to about 1K elements. In
     the CPU interpreter every program runs in turn in Python, so fewer, larger programs are
     faster there.
+
+    Single-head forward: one warp per row of up to 1K padded columns. Its two row reductions per
+    source (the RMS and the one logit) then stay inside a warp, with no barrier: at 32k positions
+    in bf16 that took the forward from 0.567 to 0.439 ms (d = 768, N = 25) and from 1.185 to
+    0.965 ms (d = 1024, N = 49) on an H200, while one warp made the backward slower and the
+    4-head forward slower too (``benchmarks/attnres_kernels.py --tiles``, docs/benchmarks.md).
     """
     block_h = triton.next_power_of_2(heads)
     block_dh = triton.next_power_of_2(d // heads)
@@ -240,10 +247,11 @@ def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
     if device.type == "cuda":
         block_m = max(1, 1024 // block_d)
         num_warps = 2 if block_m * block_d <= 2048 else 4
+        fwd_warps = 1 if heads == 1 and block_m * block_d <= 1024 else num_warps
     else:
         block_m = min(8, triton.next_power_of_2(max(m, 1)))
-        num_warps = 1
-    return _Tiles(block_m, block_h, block_dh, num_warps)
+        num_warps = fwd_warps = 1
+    return _Tiles(block_m, block_h, block_dh, num_warps, fwd_warps)
 
 
 def _backward_programs(n_blocks: int, device: torch.device) -> int:
@@ -278,7 +286,7 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
             n, m, d, heads, d // heads,
             sources.stride(0), sources.stride(1), out.stride(0), weights.stride(0),
             eps,
-            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.num_warps,
+            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.fwd_warps,
         )
     return out, weights
 
