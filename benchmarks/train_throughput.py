@@ -21,6 +21,7 @@ MFU uses the PaLM convention (``mfu_flops_per_token``) against the detected devi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -117,6 +118,7 @@ def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compi
             raise ValueError(f"/mb4 needs a batch size divisible by 4, got {cfg.train.batch_size}")
         cfg.train.batch_size //= 4
         cfg.train.grad_accum *= 4
+    gc.collect()  # the previous variant's run (and any CUDA graph pool it held) goes first
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     run = Run(cfg, out_dir="/tmp/unused")

@@ -310,6 +310,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
     finally:
         bar.close()
         log.close()
+        run.graphed = None  # free a CUDA graph's memory pool now, not at some later garbage collection
     wall = time.perf_counter() - t_start
     train_curve, val_curve = read_curves(out)
     tokens_per_s = steps_done * tc.tokens_per_step / wall if wall > 0 and steps_done else 0.0
