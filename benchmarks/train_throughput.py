@@ -8,9 +8,11 @@ A variant name ending in ``/mb4`` runs with a quarter of the micro-batch and fou
 gradient accumulation (same tokens per step), for variants whose activations do not fit
 otherwise (the eager reference routing). ``/graph`` replays the step as one CUDA graph
 (``train.cuda_graph``); suffixes combine (``attnres-triton/graph/mb4``). Warm-up must cover the
-graph's three ordinary steps and its capture, so use ``--warmup`` of at least 5 with ``/graph``. ``--profile VARIANT`` also profiles three steps of
-that variant with torch.profiler and prints where the GPU time goes by kernel category and
-how much of the step the GPU is busy at all (the rest is host and launch time).
+graph's three ordinary steps and its capture, so use ``--warmup`` of at least 5 with ``/graph``.
+
+``--profile VARIANT`` also profiles three steps of that variant with torch.profiler and prints
+where the GPU time goes by kernel category and how much of the step the GPU is busy at all (the
+rest is host and launch time).
 
 Runs ``archlab.train.trainer.Run.train_step`` (the exact step `archlab train` runs: bf16 autocast,
 fused AdamW, gradient clipping, the loader) on prepared data, times it with CUDA events after

@@ -31,7 +31,7 @@ costs no memory; with low-precision sources ``D`` then carries ``out``'s roundin
 rounding every consumer of the read sees. All arithmetic is fp32; ``ds`` is cast to the output's
 dtype only when stored.
 
-With ``ACCUMULATE`` the second pass adds ``ds_i`` to what ``dsources`` holds (load, add in fp32,
+With ``ACCUMULATE`` the pass adds ``ds_i`` to what ``dsources`` holds (load, add in fp32,
 store) instead of overwriting it. The model's buffered routing uses that to sum the gradients of
 all the reads of a source in one buffer, in place, rather than writing a fresh ``[N, M, d]`` per
 read for autograd to add up. One program owns each element within a launch and the reads'
@@ -292,16 +292,16 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
 
 
 def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
-                    weights: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, heads: int, eps: float,
-                    accumulate_into: torch.Tensor | None = None,
+                    weights: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, heads: int,
+                    eps: float, accumulate_into: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch both backward stages; returns ``(dsources, dquery, dgain)`` in the input dtypes.
 
     ``weights`` and ``out`` are what ``_route_forward`` returned (alpha contiguous [N, M, H]
-    fp32; ``out`` [M, d]) and ``dout`` [M, d]; ``out`` and ``dout`` need unit stride over ``d``. With ``accumulate_into`` (an [N, M, d] tensor of
-    any float dtype, unit stride over ``d``) the source gradients are added to it in place
-    (summed in fp32, rounded once) and it is returned as ``dsources``; without, a fresh tensor of
-    the sources' dtype is written. Besides ``_RouteFunction``, the model's buffered routing
+    fp32; ``out`` [M, d]); ``out`` and ``dout`` [M, d] need unit stride over ``d``. With
+    ``accumulate_into`` (an [N, M, d] tensor of any float dtype, unit stride over ``d``) the
+    source gradients are added to it in place (summed in fp32, rounded once) and it is returned
+    as ``dsources``; without, a fresh tensor of the sources' dtype is written. Besides ``_RouteFunction``, the model's buffered routing
     (``archlab.model.attnres``) calls this directly, so keep the signature stable.
     """
     n, m, d = sources.shape

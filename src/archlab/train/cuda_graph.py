@@ -2,11 +2,11 @@
 
 Why: a step made of many small compiled fragments and Python glue keeps the host busy issuing
 work, and the GPU waits whenever the host falls behind. AttnRes is the case in point: each of its
-``2L + 1`` routing reads is a graph break in the compiled model, so a 124m step issues about fifty
-compiled fragments and fifty custom autograd calls; on an H200 the host needs about 21 ms to issue
-a forward whose GPU work takes 28 ms, and the GPU sat idle for 15 ms of a 99 ms step
-(``docs/benchmarks.md``). A replayed graph issues the step's kernels with one call, so the step
-takes as long as its GPU work.
+``2L + 1`` routing reads is a graph break in the compiled model, so a 124m forward issues 28
+compiled fragments and 25 custom autograd calls, and its backward as many again; on an H200 the
+host needs about 21 ms to issue a forward whose GPU work takes 28 ms, and the GPU sat idle for
+15 ms of a 99 ms step (``docs/benchmarks.md``). A replayed graph issues the step's kernels
+with one call, so the step takes as long as its GPU work.
 
 How: the first ``WARMUP_STEPS`` steps run normally, on a side stream as capture requires; they
 compile the model, build the Triton kernels and create the optimizer state. The next step is
@@ -91,7 +91,7 @@ class GraphedStep:
         try:
             with torch.cuda.graph(graph):
                 self.loss = self.body(self.static)
-        except (RuntimeError, torch.cuda.CudaError) as e:
+        except RuntimeError as e:  # what CUDA and PyTorch raise for an op that cannot be captured
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"train.cuda_graph: this model's training step cannot be captured as a "
                               f"CUDA graph ({first[:200]}); train without train.cuda_graph") from None

@@ -1,9 +1,9 @@
 """The trainer: one obvious path from prepared data to a trained, checkpointed model.
 
 The whole training step is ``train_step`` and ``_update``; everything else is bookkeeping
-(schedule, evaluation, checkpoints, logs). Determinism: the batch at step k depends only on (data seed, k), the weights
-only on the init seed, and a checkpoint stores optimizer moments and RNG states, so a resumed run
-continues exactly as if it had never stopped (bitwise on CPU).
+(schedule, evaluation, checkpoints, logs). Determinism: the batch at step k depends only on
+(data seed, k), the weights only on the init seed, and a checkpoint stores optimizer moments and
+RNG states, so a resumed run continues exactly as if it had never stopped (bitwise on CPU).
 """
 
 from __future__ import annotations
