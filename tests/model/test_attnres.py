@@ -355,6 +355,29 @@ def test_buffered_path_under_torch_compile():
             assert_grads_close(p.grad, want[name], name)
 
 
+def test_compiled_buffered_model_makes_the_same_graphs_at_any_depth():
+    """Buffered reads are graph breaks; the glue around them must not be compiled once per site.
+
+    Dynamo specialises a frame on the site index it indexes lists with, so a read/write frame
+    that it traces would be compiled again at every site, up to its recompile limit.
+    """
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for n_layers in (2, 6):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model(attnres_cfg(n_layers=n_layers))
+        model.residual.buffered = True
+        compiled = torch.compile(model, backend="eager")
+        idx = torch.randint(0, 97, (2, 6))
+        for _ in range(2):
+            compiled(idx, idx).loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[0] == graphs[1] > 0
+
+
 def _tiny_stack(res, x0, weights):
     """Run a residual stream over sublayers ``tanh(h @ W)`` without a model around it."""
     state = res.start(x0)
