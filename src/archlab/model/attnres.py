@@ -88,7 +88,9 @@ and, with ``sources=True``, the sources and read values themselves (tests). No m
 
 from __future__ import annotations
 
+import functools
 import math
+from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -263,6 +265,7 @@ class SourceBuffer:
         return out
 
 
+@functools.cache  # called by every read's backward; the import is looked up once
 def _triton_backward():
     try:
         from archlab.kernels.routing_triton import _route_backward
@@ -506,11 +509,13 @@ class _DepthRouting(ResidualStream):
     # index per-site lists, so dynamo would compile them once per site until its recompile limit
     # (8) and then run them uncompiled anyway; for buffered states they skip dynamo from the start.
     # The list path has no graph break, and its model compiles as one graph.
+    @abstractmethod
     def _read(self, state: DepthState, site: int) -> Tensor:
-        raise NotImplementedError
+        """The sublayer input at ``site`` (``2L`` = the model output, before the final norm)."""
 
+    @abstractmethod
     def _write(self, state: DepthState, site: int, out: Tensor) -> None:
-        raise NotImplementedError
+        """Record sublayer ``site``'s output ``out`` in ``state``."""
 
     def read(self, state: DepthState, site: int) -> Tensor:
         if state.buffered:
