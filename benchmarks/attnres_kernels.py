@@ -54,8 +54,10 @@ def main() -> int:
     parser.add_argument("--n", type=int, nargs="+", default=[9, 25, 49])
     parser.add_argument("--heads", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
-    parser.add_argument("--impls", nargs="+", choices=["reference", "compile", "triton"],
-                        default=["reference", "compile", "triton"], help="implementations to time")
+    parser.add_argument("--impls", nargs="+", choices=["reference", "compile", "triton", "triton-tail"],
+                        default=["reference", "compile", "triton"],
+                        help="implementations to time; triton-tail passes the last source as the "
+                             "kernels' tail operand, as Block AttnRes passes a partial sum")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM:WARPS",
                         help="also time the Triton kernels with these tiles")
     args = parser.parse_args()
@@ -84,7 +86,9 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="Online softmax is disabled")
     default_tiles = routing_triton._tiles
     impls: dict[str, Callable[..., torch.Tensor]] = {
-        "reference": route_reference, "compile": route_compiled, "triton": route_triton}
+        "reference": route_reference, "compile": route_compiled, "triton": route_triton,
+        "triton-tail": lambda s, q, g, h, eps: route_triton(s[:-1], q, g, h, eps, tail=s[-1])}
+    checked = [name for name in ("triton", "triton-tail") if name in args.impls] or ["triton"]
     device = torch.device("cuda")
     print(f"# Depth routing on {torch.cuda.get_device_name(device)}; torch {torch.__version__}, "
           f"triton {triton.__version__}; M = {args.m} positions\n")
@@ -103,13 +107,16 @@ def main() -> int:
                     gain = 1 + 0.1 * torch.randn(d, device=device, generator=gen)
                     dout = torch.randn(args.m, d, device=device, generator=gen).to(dtype)
 
-                    got = fwd_bwd(route_triton, sources, query, gain, heads, dout)
                     want = fwd_bwd(route_reference, sources, query, gain, heads, dout)
-                    errs = [rel_err(a, b) for a, b in zip(got, want)]
-                    if dtype == torch.float32:
-                        worst = max(worst, *errs)
-                    del got, want
-                    err_cells = " | ".join(f"{e:.1e}" for e in errs)
+                    err_cells = {}
+                    for name in checked:
+                        got = fwd_bwd(impls[name], sources, query, gain, heads, dout)
+                        errs = [rel_err(a, b) for a, b in zip(got, want)]
+                        if dtype == torch.float32:
+                            worst = max(worst, *errs)
+                        err_cells[name] = " | ".join(f"{e:.1e}" for e in errs)
+                        del got
+                    del want
 
                     elem = sources.element_size()
                     fwd_bytes = (n + 1) * args.m * d * elem
@@ -137,14 +144,14 @@ def main() -> int:
                         t_fwd = triton.testing.do_bench(forward, return_mode="median")
                         t_all = triton.testing.do_bench(forward_backward, grad_to_none=leaves,
                                                         return_mode="median")
-                        cells = err_cells if name == "triton" else "- | - | - | -"
+                        cells = err_cells.get(name, "- | - | - | -")
                         print(f"| {dtype_name} | {d} | {n} | {heads} | {cells} | {name} | "
                               f"{t_fwd:.3f} | {fwd_bytes / t_fwd / 1e6:.0f} | {t_all:.3f} | "
                               f"{(fwd_bytes + bwd_bytes) / t_all / 1e6:.0f} |", flush=True)
                         routing_triton._tiles = default_tiles
                     del sources, dout, leaves
                     torch.cuda.empty_cache()
-    print(f"\nworst fp32 relative error, triton vs reference: {worst:.2e}")
+    print(f"\nworst fp32 relative error, {' and '.join(checked)} vs reference: {worst:.2e}")
     return 0
 
 

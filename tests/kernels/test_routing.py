@@ -281,11 +281,11 @@ def test_triton_backward_accumulates_in_place(routing_triton: ModuleType,
     dev_args = [t.to(kernel_device) for t in (sources, query, gain)]
     dev_dout = dout.to(kernel_device)
     out, alpha = routing_triton._route_forward(*dev_args, heads, EPS)
-    want, dquery, dgain = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS)
+    want, _, dquery, dgain = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS)
     big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(32)).to(kernel_device, acc_dtype)
     prior = big[:n].to("cpu", copy=True)  # before the kernel adds to ``big``
-    got, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS,
-                                                          accumulate_into=big[:n])
+    got, _, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS,
+                                                             accumulate_into=big[:n])
     assert got.data_ptr() == big.data_ptr() and got.dtype == acc_dtype
     assert torch.equal(dquery2, dquery) and torch.equal(dgain2, dgain)
     got, want = got.cpu(), want.cpu()
@@ -296,6 +296,81 @@ def test_triton_backward_accumulates_in_place(routing_triton: ModuleType,
         tol = torch.finfo(acc_dtype).eps * total.abs() + torch.finfo(src_dtype).eps * want.float().abs()
         assert ((got.float() - total).abs() <= tol).all()
     assert rel_err(want, grads(route_reference, sources, query, gain, heads, dout)[2]) < 1e-2
+
+
+def route_with_tail(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+    """``fn`` routing over ``s[:-1]`` plus ``s[-1]`` as the tail; gradients flow back into ``s``."""
+    def routed(s, q, g, heads, eps, return_weights):
+        return fn(s[:-1], q, g, heads, eps, return_weights, tail=s[-1])
+    return routed
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("n,heads", [(1, 1), (2, 4), (6, 1), (6, 4)])
+def test_triton_tail_source_equals_stacked(routing_triton: ModuleType, kernel_device: torch.device,
+                                           n: int, heads: int) -> None:
+    """A tail source read in place routes (forward and backward) like the same source stacked last."""
+    sources, query, gain, dout = make_inputs(n + 1, 17, 48, seed=40 + n + heads)
+    got = grads(route_with_tail(routing_triton.route_triton), sources, query, gain, heads, dout,
+                kernel_device)
+    want = grads(route_reference, sources, query, gain, heads, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert a.shape == b.shape, name
+        assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.triton_interpret
+def test_triton_tail_with_other_strides(routing_triton: ModuleType, kernel_device: torch.device) -> None:
+    """Position-major sources (row stride N*d) and a contiguous tail: still the stacked result."""
+    sources, query, gain, dout = make_inputs(5, 6, 32, seed=44)
+    position_major = sources[:4].to(kernel_device).transpose(0, 1).contiguous().transpose(0, 1)
+    tail = sources[4].to(kernel_device)
+    out, alpha = routing_triton.route_triton(position_major, query.to(kernel_device),
+                                             gain.to(kernel_device), 4, EPS, True, tail=tail)
+    want_out, want_alpha = route_reference(sources, query, gain, 4, EPS, return_weights=True)
+    assert rel_err(out.cpu(), want_out) < 1e-5 and rel_err(alpha.cpu(), want_alpha) < 1e-5
+
+
+@pytest.mark.triton_interpret
+def test_triton_tail_gradient_is_fresh_when_accumulating(routing_triton: ModuleType,
+                                                         kernel_device: torch.device) -> None:
+    """With ``accumulate_into`` the stacked sources' gradients are added to the buffer and the
+    tail's comes back on its own, equal to the non-accumulating gradient."""
+    n, m, d, heads = 4, 9, 48, 2
+    sources, query, gain, dout = make_inputs(n + 1, m, d, seed=45)
+    dev = [t.to(kernel_device) for t in (sources, query, gain, dout)]
+    stack, tail = dev[0][:n], dev[0][n]
+    out, alpha = routing_triton._route_forward(stack, dev[1], dev[2], heads, EPS, tail)
+    want_ds, want_dt, dq, dg = routing_triton._route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
+                                                              heads, EPS, tail=tail)
+    big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(46)).to(kernel_device)
+    prior = big.to("cpu", copy=True)
+    got_ds, got_dt, dq2, dg2 = routing_triton._route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
+                                                              heads, EPS, accumulate_into=big[:n],
+                                                              tail=tail)
+    assert torch.equal(got_dt.cpu(), want_dt.cpu()) and torch.equal(dq2, dq) and torch.equal(dg2, dg)
+    assert torch.equal(big[:n].cpu(), prior[:n] + want_ds.cpu())
+    assert torch.equal(big[n:].cpu(), prior[n:])  # the tail's gradient went nowhere near the buffer
+    ref = grads(route_reference, sources, query, gain, heads, dout.cpu())[2]
+    assert rel_err(want_dt.cpu(), ref[n]) < 1e-5 and rel_err(want_ds.cpu(), ref[:n]) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "compile"])
+def test_tail_in_other_impls_is_a_stacked_source(impl: str) -> None:
+    sources, query, gain, dout = make_inputs(4, 5, 24, seed=47)
+    got = grads(route_with_tail(lambda s, q, g, h, eps, rw, tail: route(s, q, g, h, eps, impl, rw, tail=tail)),
+                sources, query, gain, 3, dout)
+    want = grads(route_reference, sources, query, gain, 3, dout)
+    for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
+        assert rel_err(a, b) < 1e-5, name
+
+
+def test_bad_tail_is_rejected() -> None:
+    sources, query, gain, _ = make_inputs(3, 5, 16, seed=48)
+    with pytest.raises(ValueError, match="tail must be one more source"):
+        route(sources, query, gain, 1, EPS, impl="reference", tail=sources[0, :4])
+    with pytest.raises(ValueError, match="tail must be one more source"):
+        route(sources, query, gain, 1, EPS, impl="reference", tail=sources[0].double())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -279,7 +279,7 @@ def impl_device(impl):
 # kind, blocks (attnres) or delta groups, heads, layers, decode branch (a second row group)
 GRAD_CASES = {
     "full": ("attnres", 0, 1, 2, False),
-    # 6 sublayers in 2 blocks: slots 1 and 2 each hold two partial sums, then the block sum
+    # 6 sublayers in 2 blocks of 3: four reads route over a partial sum as their tail
     "block": ("attnres", 2, 1, 3, False),
     "mhar-branch": ("attnres", 0, 4, 2, True),
     "mhar-block": ("attnres", 4, 2, 3, False),
@@ -301,8 +301,9 @@ def grad_model(case, impl, seed=8):
 def test_buffered_path_gradients_equal_list_path(case, impl):
     """Every read's source gradient lands on its source exactly once, for every implementation.
 
-    The block and delta cases reuse a scratch slot for several partial sums; a gradient left in
-    that slot (or handed out twice) changes the result by far more than the tolerance.
+    The block and delta cases route over partial sums as tail sources, whose gradients come back
+    outside the buffer; a gradient lost, or delivered twice, changes the result by far more than
+    the tolerance.
     """
     device = impl_device(impl)  # both paths run there: they differ only in the routing
     model = grad_model(case, impl).to(device)

@@ -18,7 +18,7 @@ import torch
 
 from archlab.errors import ConfigError
 from archlab.kernels.routing_compiled import route_compiled
-from archlab.kernels.routing_reference import route_reference
+from archlab.kernels.routing_reference import route_reference, validate_route_args
 
 IMPLS: tuple[str, ...] = ("auto", "reference", "compile", "triton")
 
@@ -85,17 +85,19 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 @overload
 def route(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
-          eps: float, impl: str = ..., return_weights: Literal[False] = ...) -> torch.Tensor: ...
+          eps: float, impl: str = ..., return_weights: Literal[False] = ...,
+          tail: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def route(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
           eps: float, impl: str = ..., *, return_weights: Literal[True],
-          ) -> tuple[torch.Tensor, torch.Tensor]: ...
+          tail: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def route(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
           eps: float, impl: str = "auto", return_weights: bool = False,
+          tail: torch.Tensor | None = None,
           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head depth routing of ``sources`` [N, M, d] into ``out`` [M, d] (source dtype).
 
@@ -105,12 +107,20 @@ def route(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads:
     the Triton path also takes other strides over N and M without copying). With
     ``return_weights`` also returns ``alpha`` [N, M, H] in fp32 for diagnostics; it is
     differentiable for ``reference``/``compile`` and detached for ``triton``.
+
+    ``tail`` [M, d] (sources' dtype) is one more source after the ``N`` of ``sources``: the
+    result is that of routing over ``cat(sources, tail[None])``. The Triton kernels read it in
+    place, so a source that is read only once (a Block AttnRes partial sum) never has to be
+    copied into the buffer; the other implementations concatenate.
     """
     chosen = resolve_impl(impl, sources.device)
+    if tail is not None and chosen != "triton":
+        validate_route_args(sources, query, gain, heads, tail)
+        sources = torch.cat([sources, tail.unsqueeze(0)])
     if chosen == "reference":
         return route_reference(sources, query, gain, heads, eps, return_weights)
     if chosen == "compile":
         return route_compiled(sources, query, gain, heads, eps, return_weights)
     from archlab.kernels.routing_triton import route_triton
 
-    return route_triton(sources, query, gain, heads, eps, return_weights)
+    return route_triton(sources, query, gain, heads, eps, return_weights, tail)

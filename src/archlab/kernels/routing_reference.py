@@ -20,7 +20,7 @@ import torch
 
 
 def validate_route_args(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
-                        heads: int) -> None:
+                        heads: int, tail: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` naming the first shape mismatch among the routing inputs.
 
     Shared by every implementation so that a bad call fails the same way whichever one runs.
@@ -38,6 +38,9 @@ def validate_route_args(sources: torch.Tensor, query: torch.Tensor, gain: torch.
     if not (sources.is_floating_point() and query.is_floating_point()
             and gain.is_floating_point()):
         raise ValueError("sources, query and gain must be floating point")
+    if tail is not None and (tail.shape != sources.shape[1:] or tail.dtype != sources.dtype):
+        raise ValueError(f"tail must be one more source, {tuple(sources.shape[1:])} {sources.dtype}; "
+                         f"got {tuple(tail.shape)} {tail.dtype}")
 
 
 def route_reference(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,

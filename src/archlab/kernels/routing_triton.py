@@ -65,14 +65,30 @@ from archlab.kernels.routing_reference import validate_route_args
 
 
 @triton.jit
+def _source_base(src_ptr, tail_ptr, i, N, stride_n, HAS_TAIL: tl.constexpr):
+    """Base pointer of source ``i``: row ``i`` of the ``[N, M, d]`` stack, or the tail (``i = N``).
+
+    The tail shares the stack's stride over positions (the launcher ensures it), so one offset
+    block serves both.
+    """
+    if HAS_TAIL:
+        return tl.where(i < N, src_ptr + i * stride_n, tail_ptr)
+    return src_ptr + i * stride_n
+
+
+@triton.jit
 def _route_fwd_kernel(
-    src_ptr, query_ptr, gain_ptr, out_ptr, w_ptr,
+    src_ptr, tail_ptr, query_ptr, gain_ptr, out_ptr, w_ptr,
     N, M, D, H, DH,
     stride_sn, stride_sm, stride_om, stride_wn,
     eps,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):
-    """One program routes ``BLOCK_M`` positions; ``w_ptr`` receives alpha [N, M, H] (fp32)."""
+    """One program routes ``BLOCK_M`` positions over ``N`` stacked sources, then the tail if any.
+
+    ``w_ptr`` receives alpha [N + HAS_TAIL, M, H] (fp32).
+    """
+    n_all = N + HAS_TAIL
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
@@ -93,13 +109,14 @@ def _route_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_DH), tl.float32)
     w_i = w_ptr
     s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
-    for i in range(N):
+    for i in range(n_all):
         # Prefetch source i+1 while source i is processed (one load in flight per program is
-        # too little to keep HBM busy). The last iteration re-reads source N-1, a cache hit,
-        # rather than branching or masking on i.
+        # too little to keep HBM busy). The last iteration re-reads the last source, a cache
+        # hit, rather than branching or masking on i.
         s = s_next.to(tl.float32)
-        nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
-        s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
+        nxt = tl.minimum(i + 1, n_all - 1).to(tl.int64)
+        s_next = tl.load(_source_base(src_ptr, tail_ptr, nxt, N, stride_sn, HAS_TAIL) + src_off,
+                         mask=mask, other=0.0)
         inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)  # [BM]
         logit = tl.sum(s * qg[None, :, :], axis=2) * inv_rms[:, None]  # [BM, BH]
         tl.store(w_i + w_off, logit, mask=w_mask)  # raw logits; normalised below
@@ -120,7 +137,7 @@ def _route_fwd_kernel(
     tl.debug_barrier()
     lse = run_max + tl.log(run_sum)
     w_i = w_ptr
-    for _ in range(N):
+    for _ in range(n_all):
         logit = tl.load(w_i + w_off, mask=w_mask, other=0.0)
         tl.store(w_i + w_off, tl.exp(logit - lse), mask=w_mask)
         w_i += stride_wn
@@ -128,17 +145,19 @@ def _route_fwd_kernel(
 
 @triton.jit
 def _route_bwd_kernel(
-    src_ptr, query_ptr, gain_ptr, out_ptr, dout_ptr, w_ptr, dsrc_ptr, part_ptr,
+    src_ptr, tail_ptr, query_ptr, gain_ptr, out_ptr, dout_ptr, w_ptr, dsrc_ptr, dtail_ptr, part_ptr,
     N, M, D, H, DH, BLOCKS_PER_PROG,
     stride_sn, stride_sm, stride_om, stride_dom, stride_dsn, stride_dsm, stride_wn,
     eps,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
 ):
     """Persistent program: ``BLOCKS_PER_PROG`` consecutive position blocks, one pass each.
 
-    Writes ``dsources`` (``ACCUMULATE``: adds to it) and this program's partial ``P`` (row
-    ``pid`` of ``part_ptr`` [G, d]).
+    Writes ``dsources`` (``ACCUMULATE``: adds to it), the tail's gradient (overwritten, never
+    accumulated) and this program's partial ``P`` (row ``pid`` of ``part_ptr`` [G, d]).
     """
+    n_all = N + HAS_TAIL
     pid = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_DH)
@@ -166,17 +185,25 @@ def _route_bwd_kernel(
         delta = tl.sum(dout * out, axis=2)
 
         # One pass over the sources: recompute the norms, write ds_i, accumulate P.
-        dsrc_i = dsrc_ptr
         s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
         alpha_next = tl.load(w_ptr + w_off, mask=w_mask, other=0.0)
-        for i in range(N):
+        for i in range(n_all):
             s = s_next.to(tl.float32)
             alpha = alpha_next
-            nxt = tl.minimum(i + 1, N - 1).to(tl.int64)
-            s_next = tl.load(src_ptr + nxt * stride_sn + src_off, mask=mask, other=0.0)
+            nxt = tl.minimum(i + 1, n_all - 1).to(tl.int64)
+            s_next = tl.load(_source_base(src_ptr, tail_ptr, nxt, N, stride_sn, HAS_TAIL) + src_off,
+                             mask=mask, other=0.0)
             alpha_next = tl.load(w_ptr + nxt * stride_wn + w_off, mask=w_mask, other=0.0)
+            cur = tl.cast(i, tl.int64)
+            ds_ptrs = _source_base(dsrc_ptr, dtail_ptr, cur, N, stride_dsn, HAS_TAIL) + dsrc_off
             if ACCUMULATE:  # issued here so that the arithmetic below hides its latency
-                ds_old = tl.load(dsrc_i + dsrc_off, mask=mask, other=0.0).to(tl.float32)
+                old_mask = mask
+                if HAS_TAIL:  # the tail's gradient starts from zero: a masked load reads nothing
+                    # (a row bound of 0 rather than ``m_mask & (cur < N)``: Triton's interpreter
+                    # turns a block-and-scalar ``&`` of booleans into int32, which loads reject)
+                    rows_old = offs_m < tl.where(cur < N, M, 0)
+                    old_mask = rows_old[:, None, None] & col_mask[None, :, :]
+                ds_old = tl.load(ds_ptrs, mask=old_mask, other=0.0).to(tl.float32)
             inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)
             normed = s * inv_rms[:, None, None]
             logit = tl.sum(normed * qg[None, :, :], axis=2)
@@ -187,9 +214,8 @@ def _route_bwd_kernel(
                                               - normed * c[:, None, None]))
             if ACCUMULATE:
                 ds += ds_old
-            tl.store(dsrc_i + dsrc_off, ds.to(dsrc_ptr.dtype.element_ty), mask=mask)
+            tl.store(ds_ptrs, ds.to(dsrc_ptr.dtype.element_ty), mask=mask)
             p_acc += dlogit[:, :, None] * normed
-            dsrc_i += stride_dsn
 
     tl.store(part_ptr + pid.to(tl.int64) * D + col, tl.sum(p_acc, axis=0), mask=col_mask)
 
@@ -271,22 +297,41 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _check_tail(sources: torch.Tensor, tail: torch.Tensor | None) -> None:
+    """The kernels address the tail with the stack's offsets: same shape, dtype and row stride."""
+    if tail is None:
+        return
+    if tail.shape != sources.shape[1:] or tail.dtype != sources.dtype:
+        raise ValueError(f"tail must be {tuple(sources.shape[1:])} {sources.dtype}, got "
+                         f"{tuple(tail.shape)} {tail.dtype}")
+    if tail.stride() != sources.stride()[1:]:
+        raise ValueError("tail must have the sources' strides over (M, d)")
+
+
 def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; returns ``out`` [M, d] (source dtype) and ``alpha`` [N, M, H]."""
+                   eps: float, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel; returns ``out`` [M, d] (source dtype) and ``alpha`` [N', M, H].
+
+    ``tail`` [M, d] is one more source after the ``N`` of ``sources`` (``N' = N + 1``), read in
+    place: the model's Block AttnRes passes a block's partial sum this way instead of copying it
+    into its source buffer.
+    """
+    _check_tail(sources, tail)
     n, m, d = sources.shape
+    n_all = n + (tail is not None)
     t = _tiles(m, d, heads, sources.device)
     out = torch.empty((m, d), dtype=sources.dtype, device=sources.device)
-    weights = torch.empty((n, m, heads), dtype=torch.float32, device=sources.device)
+    weights = torch.empty((n_all, m, heads), dtype=torch.float32, device=sources.device)
     if m == 0:  # no positions, nothing to launch
         return out, weights
     with _device_guard(sources):
         _route_fwd_kernel[(triton.cdiv(m, t.block_m),)](
-            sources, query, gain, out, weights,
+            sources, sources if tail is None else tail, query, gain, out, weights,
             n, m, d, heads, d // heads,
             sources.stride(0), sources.stride(1), out.stride(0), weights.stride(0),
             eps,
-            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.fwd_warps,
+            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, HAS_TAIL=tail is not None,
+            num_warps=t.fwd_warps,
         )
     return out, weights
 
@@ -294,16 +339,20 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
 def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
                     weights: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, heads: int,
                     eps: float, accumulate_into: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch both backward stages; returns ``(dsources, dquery, dgain)`` in the input dtypes.
+                    tail: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Launch both backward stages; returns ``(dsources, dtail, dquery, dgain)``.
 
-    ``weights`` and ``out`` are what ``_route_forward`` returned (alpha contiguous [N, M, H]
+    ``weights`` and ``out`` are what ``_route_forward`` returned (alpha contiguous [N', M, H]
     fp32; ``out`` [M, d]); ``out`` and ``dout`` [M, d] need unit stride over ``d``. With
     ``accumulate_into`` (an [N, M, d] tensor of any float dtype, unit stride over ``d``) the
     source gradients are added to it in place (summed in fp32, rounded once) and it is returned
-    as ``dsources``; without, a fresh tensor of the sources' dtype is written. Besides ``_RouteFunction``, the model's buffered routing
-    (``archlab.model.attnres``) calls this directly, so keep the signature stable.
+    as ``dsources``; without, a fresh tensor of the sources' dtype is written. ``dtail`` (None
+    without a tail) is always fresh, in the tail's dtype. Besides ``_RouteFunction``, the model's
+    buffered routing (``archlab.model.attnres``) calls this directly, so keep the signature
+    stable.
     """
+    _check_tail(sources, tail)
     n, m, d = sources.shape
     t = _tiles(m, d, heads, sources.device)
     n_blocks = triton.cdiv(m, t.block_m)
@@ -314,24 +363,31 @@ def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tens
         if accumulate_into.shape != sources.shape or accumulate_into.stride(-1) != 1:
             raise ValueError(f"accumulate_into must be {tuple(sources.shape)} with unit stride over d")
         dsources = accumulate_into
+    dtail = None
+    if tail is not None:  # written with dsources' offsets, so laid out like one of its rows
+        dtail = torch.empty_strided((m, d), dsources.stride()[1:], dtype=dsources.dtype,
+                                    device=sources.device)
     partials = torch.empty((programs, d), dtype=torch.float32, device=sources.device)
     dquery = torch.empty(d, dtype=torch.float32, device=sources.device)
     dgain = torch.empty(d, dtype=torch.float32, device=sources.device)
     block_d = min(128, triton.next_power_of_2(d))
     with _device_guard(sources):
         _route_bwd_kernel[(programs,)](
-            sources, query, gain, out, dout, weights, dsources, partials,
+            sources, sources if tail is None else tail, query, gain, out, dout, weights, dsources,
+            dsources if dtail is None else dtail, partials,
             n, m, d, heads, d // heads, triton.cdiv(n_blocks, programs),
             sources.stride(0), sources.stride(1), out.stride(0), dout.stride(0), dsources.stride(0),
             dsources.stride(1), weights.stride(0),
             eps,
             BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh,
-            ACCUMULATE=accumulate_into is not None, num_warps=t.num_warps,
+            ACCUMULATE=accumulate_into is not None, HAS_TAIL=tail is not None, num_warps=t.num_warps,
         )
         _reduce_partials_kernel[(triton.cdiv(d, block_d),)](
             partials, query, gain, dquery, dgain, programs, d, BLOCK_G=32, BLOCK_D=block_d,
         )
-    return dsources, dquery.to(query.dtype), dgain.to(gain.dtype)
+    if dtail is not None:
+        dtail = dtail.to(tail.dtype)
+    return dsources, dtail, dquery.to(query.dtype), dgain.to(gain.dtype)
 
 
 class _RouteFunction(torch.autograd.Function):
@@ -339,10 +395,10 @@ class _RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, sources: torch.Tensor,
-                query: torch.Tensor, gain: torch.Tensor, heads: int, eps: float,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, weights = _route_forward(sources, query, gain, heads, eps)
-        ctx.save_for_backward(sources, query, gain, weights, out)
+                tail: torch.Tensor | None, query: torch.Tensor, gain: torch.Tensor, heads: int,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, weights = _route_forward(sources, query, gain, heads, eps, tail)
+        ctx.save_for_backward(sources, tail, query, gain, weights, out)
         ctx.heads = heads
         ctx.eps = eps
         ctx.mark_non_differentiable(weights)
@@ -351,28 +407,32 @@ class _RouteFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor,
                  _dweights: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        sources, query, gain, weights, out = ctx.saved_tensors
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, None, None]:
+        sources, tail, query, gain, weights, out = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dsources, dquery, dgain = _route_backward(sources, query, gain, weights, out, dout, ctx.heads,
-                                                  ctx.eps)
-        return dsources, dquery, dgain, None, None
+        dsources, dtail, dquery, dgain = _route_backward(sources, query, gain, weights, out, dout,
+                                                         ctx.heads, ctx.eps, tail=tail)
+        return dsources, dtail, dquery, dgain, None, None
 
 
 def route_triton(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads: int,
-                 eps: float, return_weights: bool = False,
+                 eps: float, return_weights: bool = False, tail: torch.Tensor | None = None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``route_reference``, computed by the fused kernels.
 
     ``sources`` may be strided over N and M (``buf[:n]`` of a preallocated ``[N_max, M, d]``
-    buffer is used in place, no copy); only a non-unit stride over ``d`` forces a copy. The
-    returned weights are detached (they are diagnostics; no gradient flows through them).
+    buffer is used in place, no copy); only a non-unit stride over ``d`` forces a copy. ``tail``
+    [M, d] is an extra last source read in place (see ``route``); when its strides differ from
+    the sources' over (M, d), the sources are made contiguous and so is the tail. The returned
+    weights are detached (they are diagnostics; no gradient flows through them).
     """
-    validate_route_args(sources, query, gain, heads)
+    validate_route_args(sources, query, gain, heads, tail)
     if sources.stride(-1) != 1:
         sources = sources.contiguous()
-    out, weights = _RouteFunction.apply(sources, query.contiguous(), gain.contiguous(), heads,
+    if tail is not None and tail.stride() != sources.stride()[1:]:
+        sources, tail = sources.contiguous(), tail.contiguous()
+    out, weights = _RouteFunction.apply(sources, tail, query.contiguous(), gain.contiguous(), heads,
                                         float(eps))
     if return_weights:
         return out, weights

@@ -43,12 +43,14 @@ Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the devi
   autograd through ``route``; the readable ground truth. Stacking costs ``O(n)`` copies per read,
   and the eager reference saves its fp32 intermediates per read for backward.
 * ``compile`` / ``triton``: one preallocated ``[n_max, M, d]`` buffer per row group and forward
-  (``SourceBuffer``); each source is copied in once, by the read that first routes over it (a
-  block's partial sum goes into the next free slot as scratch, overwritten by the next partial
-  sum and finally by the block sum). A read is ``_BufferedRoute``, a custom ``autograd.Function``
-  that runs the kernel on the view ``buf[:n]`` and saves only the query, gain, routing weights
-  and the partial sum it wrote (its scratch slot is overwritten later; backward writes it back).
-  Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``.
+  (``SourceBuffer``); each completed source (the embedding, a block sum) is copied in once, by
+  the read that first routes over it, and its slot is never overwritten. A block's partial sum is
+  read by one read only, so it never enters the buffer: the read routes over ``buf[:n]`` plus
+  the partial sum as a *tail* source (``route(..., tail=)``), which the Triton kernels read in
+  place and whose gradient they write fresh (``compile`` and ``reference`` copy it into the
+  block's own slot, still free, and route over one more slot). A read is ``_BufferedRoute``, a custom
+  ``autograd.Function`` that saves only the query, gain, routing weights, its output and its
+  tail. Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``.
 
   Backward accumulates in place, as the MHAR paper does: every read adds its source gradients to
   one gradient buffer ``grad`` (shaped like ``buf``, zero-filled by the first backward), the
@@ -56,13 +58,15 @@ Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the devi
   (``compile`` and, when forced, ``reference``). Letting autograd sum them instead costs an extra
   ``[M, d]`` tensor and add per (read, source) pair, ``O(L^2)`` of them. Each source is an input
   of the one read that wrote it, which hands it its slot of ``grad`` after adding its own share.
-  That is complete only if every later read's backward has already run, and a scratch slot may
-  only be handed out (and zeroed) after the reads of that partial sum and before those of the
-  previous one. Autograd's order follows data dependencies alone, so every read also takes a
-  *token* (a 0-dim tensor, created with ``requires_grad``) and returns the next one: the chain
-  makes the reads' backwards run in exact reverse forward order. The first read's backward (it
-  wrote slot 0) frees both buffers, so a buffered forward supports one backward. Without grad
-  there is no token and no gradient buffer.
+  That is complete only if every later read's backward has already run. Autograd's order follows
+  data dependencies alone, so every read also takes a *token* (a 0-dim tensor, created with
+  ``requires_grad``) and returns the next one: the chain makes the reads' backwards run in exact
+  reverse forward order. The first read's backward (it wrote slot 0) frees both buffers, so a
+  buffered forward supports one backward. Without grad there is no token and no gradient buffer.
+
+  An earlier layout copied each partial sum into the block's free slot as scratch; per partial
+  sum that cost a copy in, a copy back in backward, a read-modify-write of its gradient and a
+  copy-and-zero to hand it out, which the tail avoids.
 
   Dtypes (``residual.source_dtype`` / ``residual.grad_dtype``, the stream's ``source_dtype`` /
   ``grad_dtype``): the sources are stored in the autocast dtype under autocast (bf16 on CUDA: the
@@ -218,8 +222,8 @@ class DepthState:
     n_done: int = 0  # completed sources: b_0 (embedding / null), then completed blocks
     done: list[Tensor] = field(default_factory=list)  # list path: the completed sources [M, d]
     partial: Tensor | None = None  # current block's (group's) partial sum [M, d]
-    #: buffered: (slot, source, scratch) that the next read writes into the buffer
-    pending: list[tuple[int, Tensor, bool]] = field(default_factory=list)
+    #: buffered: (slot, source) that the next read writes into the buffer
+    pending: list[tuple[int, Tensor]] = field(default_factory=list)
     store: SourceBuffer | None = None  # buffered: created by the first read
     #: buffered with autograd: the last read's token; the next read takes it (see ``_BufferedRoute``)
     token: Tensor | None = None
@@ -231,10 +235,10 @@ class DepthState:
 
 
 class SourceBuffer:
-    """One row group's sources ``buf`` [n_max, M, d] and, in backward, their gradients ``grad``.
+    """One row group's completed sources ``buf`` [n_max, M, d] and, in backward, their gradients.
 
-    The reads' backward ops hold this object, not the ``DepthState``, so the graph keeps no
-    source tensor, partial sum or token alive.
+    Each slot is written once per forward. The reads' backward ops hold this object, not the
+    ``DepthState``, so the graph keeps no source tensor, partial sum or token alive.
     """
 
     def __init__(self, n_max: int, rows: int, d: int, dtype: torch.dtype, device: torch.device,
@@ -242,7 +246,6 @@ class SourceBuffer:
         self.buf: Tensor | None = torch.empty(n_max, rows, d, dtype=dtype, device=device)
         self.grad: Tensor | None = None
         self.grad_dtype = grad_dtype or dtype
-        self.writes = [0] * n_max  # sources written to each slot so far in this forward
 
     def grad_slots(self, n: int) -> Tensor:
         """``grad[:n]``; the buffer is zero-filled by the first backward that needs it."""
@@ -253,16 +256,11 @@ class SourceBuffer:
             self.grad = torch.zeros(self.buf.shape, dtype=self.grad_dtype, device=self.buf.device)
         return self.grad[:n]
 
-    def take_grad(self, slot: int, first_write: bool, dtype: torch.dtype) -> Tensor | None:
-        """The gradient accumulated in ``slot`` for the source written there last, in ``dtype``."""
+    def take_grad(self, slot: int, dtype: torch.dtype) -> Tensor | None:
+        """The gradient accumulated in ``slot``, in ``dtype`` (no copy when it already is)."""
         if self.grad is None:  # no read's gradient reached this buffer
             return None
-        g = self.grad[slot]
-        if first_write:  # no earlier op touches this slot: hand it out without a copy
-            return g.to(dtype)
-        out = g.to(dtype, copy=True)
-        g.zero_()  # the slot's earlier source (a partial sum) starts from zero
-        return out
+        return self.grad[slot].to(dtype)
 
 
 @functools.cache  # called by every read's backward; the import is looked up once
@@ -274,68 +272,84 @@ def _triton_backward():
     return _route_backward
 
 
-class _BufferedRoute(torch.autograd.Function):
-    """Write the pending sources into their slots, then route over ``store.buf[:n]``.
+def _route_slots(store: SourceBuffer, n: int, query: Tensor, gain: Tensor, heads: int, eps: float,
+                 impl: str, tail: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(out, weights)`` of the route over ``store.buf[:n]`` plus ``tail``.
 
-    Differentiable inputs: ``query``, ``gain``, the token and the sources ``written`` here; each
-    source is an input of exactly the read that writes it, so autograd delivers its gradient
-    once and sums nothing. The other reads' gradients for it reach it through ``store.grad``:
-    the token chain runs the backwards in exact reverse order of the forwards, so when this
-    read's backward runs, every later read has added its share to the slots, and the gradient
-    of the sources written here is complete once this read has added its own.
+    The Triton kernels read the tail in place. The other implementations would concatenate, a
+    copy of every source per read; the tail is copied into slot ``n`` instead, which is free: the
+    block it belongs to is not complete, and the block's sum lands there only when it is.
+    """
+    if tail is not None and impl != "triton":
+        store.buf[n].copy_(tail)
+        n, tail = n + 1, None
+    return route(store.buf[:n], query, gain, heads, eps, impl, return_weights=True, tail=tail)
+
+
+class _BufferedRoute(torch.autograd.Function):
+    """Write the pending sources into their slots, then route over ``store.buf[:n]`` and ``tail``.
+
+    Differentiable inputs: ``query``, ``gain``, the token, the tail (the current block's partial
+    sum, or None) and the sources ``written`` here; each source is an input of exactly the read
+    that writes it, so autograd delivers its gradient once and sums nothing. The other reads'
+    gradients for it reach it through ``store.grad``: the token chain runs the backwards in exact
+    reverse order of the forwards, so when this read's backward runs, every later read has added
+    its share to the slots, and the gradient of the sources written here is complete once this
+    read has added its own. A partial sum is read by one read only: it is routed in place as the
+    tail and its gradient comes back fresh, never through the buffer.
     """
 
     @staticmethod
-    def forward(ctx, store: SourceBuffer, n: int, slots: tuple[tuple[int, bool], ...], heads: int,
-                eps: float, impl: str, query: Tensor, gain: Tensor, token: Tensor,
+    def forward(ctx, store: SourceBuffer, n: int, slots: tuple[int, ...], heads: int, eps: float,
+                impl: str, query: Tensor, gain: Tensor, token: Tensor, tail: Tensor | None,
                 *written: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        for (slot, _), src in zip(slots, written):
+        for slot, src in zip(slots, written):
             store.buf[slot].copy_(src)
-            store.writes[slot] += 1
-        out, weights = route(store.buf[:n], query, gain, heads, eps, impl, return_weights=True)
+        out, weights = _route_slots(store, n, query, gain, heads, eps, impl, tail)
         weights = weights.detach()
         ctx.store, ctx.n, ctx.heads, ctx.eps, ctx.impl = store, n, heads, eps, impl
-        ctx.written = [(slot, store.writes[slot] == 1, src.dtype) for (slot, _), src in zip(slots, written)]
-        # A partial sum's slot is overwritten later in this forward; backward writes it back.
-        scratch = [(slot, src) for (slot, is_scratch), src in zip(slots, written) if is_scratch]
-        ctx.scratch_slots = [slot for slot, _ in scratch]
-        ctx.save_for_backward(query, gain, weights, out, *(src for _, src in scratch))
+        ctx.written = [(slot, src.dtype) for slot, src in zip(slots, written)]
+        ctx.save_for_backward(query, gain, weights, out, tail)
         ctx.mark_non_differentiable(weights)
         return out, weights, token.new_empty(())
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, _dweights: Tensor | None, _dtoken: Tensor | None):
         store = ctx.store
-        query, gain, weights, out, *scratch = ctx.saved_tensors
-        dquery = dgain = None
+        query, gain, weights, out, tail = ctx.saved_tensors
+        dquery = dgain = dtail = None
         if dout is not None:
             grad = store.grad_slots(ctx.n)
-            for slot, src in zip(ctx.scratch_slots, scratch):
-                store.buf[slot].copy_(src)
-            sources = store.buf[:ctx.n]
             backward_kernel = _triton_backward() if ctx.impl == "triton" else None
             if backward_kernel is not None:
-                _, dquery, dgain = backward_kernel(sources, query, gain, weights, out, dout.contiguous(),
-                                                   ctx.heads, ctx.eps, accumulate_into=grad)
-            else:
+                _, dtail, dquery, dgain = backward_kernel(store.buf[:ctx.n], query, gain, weights, out,
+                                                          dout.contiguous(), ctx.heads, ctx.eps,
+                                                          accumulate_into=grad, tail=tail)
+            else:  # recompute the route (tail in slot n, as the forward had it) and differentiate
+                n = ctx.n
+                if tail is not None:
+                    store.buf[n].copy_(tail)  # a later block sum may have taken the slot since
+                    n += 1
                 with torch.enable_grad():
-                    s = sources.detach().requires_grad_(True)
+                    s = store.buf[:n].detach().requires_grad_(True)
                     q = query.detach().requires_grad_(True)
                     g = gain.detach().requires_grad_(True)
                     out = route(s, q, g, ctx.heads, ctx.eps, ctx.impl)
                     dsources, dquery, dgain = torch.autograd.grad(out, (s, q, g), dout)
-                grad.add_(dsources)
-        dwritten = [store.take_grad(slot, first, dtype) for slot, first, dtype in ctx.written]
-        if any(slot == 0 for slot, _, _ in ctx.written):  # the forward's first read: all delivered
+                grad.add_(dsources[:ctx.n])
+                if tail is not None:
+                    dtail = dsources[ctx.n].to(tail.dtype)
+        dwritten = [store.take_grad(slot, dtype) for slot, dtype in ctx.written]
+        if any(slot == 0 for slot, _ in ctx.written):  # the forward's first read: all delivered
             store.buf = store.grad = None
-        return (None, None, None, None, None, None, dquery, dgain, None, *dwritten)
+        return (None, None, None, None, None, None, dquery, dgain, None, dtail, *dwritten)
 
 
 @torch.compiler.disable
 def _buffered_route(stream: _DepthRouting, state: DepthState, query: Tensor, gain: Tensor,
                     ) -> tuple[Tensor, Tensor]:
-    """Route over the buffered sources of ``state``, writing its pending sources first.
+    """Route over the buffered sources of ``state`` and its partial sum, writing pending sources first.
 
     Opaque to dynamo in a ``torch.compile``d model: it would otherwise trace the in-place buffer
     writes and guard on the state (its number of sources differs at every site), recompiling the
@@ -347,15 +361,18 @@ def _buffered_route(stream: _DepthRouting, state: DepthState, query: Tensor, gai
                                    stream.grad_dtype)
         if torch.is_grad_enabled():
             state.token = torch.empty((), device=state.device, requires_grad=True)
-    store, n = state.store, state.n_done + (state.partial is not None)
+    store, n, tail = state.store, state.n_done, state.partial
+    if tail is not None:  # the kernels address it with the buffer's row stride
+        tail = tail.contiguous()
     written, state.pending = state.pending, []
     if state.token is None or not torch.is_grad_enabled():  # no backward: no bookkeeping
-        for slot, src, _ in written:
+        for slot, src in written:
             store.buf[slot].copy_(src.detach())
-        return route(store.buf[:n], query, gain, stream.heads, stream.eps, state.impl, return_weights=True)
-    slots = tuple((slot, scratch) for slot, _, scratch in written)
+        return _route_slots(store, n, query, gain, stream.heads, stream.eps, state.impl,
+                            None if tail is None else tail.detach())
+    slots = tuple(slot for slot, _ in written)
     out, weights, state.token = _BufferedRoute.apply(store, n, slots, stream.heads, stream.eps, state.impl,
-                                                     query, gain, state.token, *(s for _, s, _ in written))
+                                                     query, gain, state.token, tail, *(s for _, s in written))
     return out, weights
 
 
@@ -460,7 +477,7 @@ class _DepthRouting(ResidualStream):
 
     def _complete(self, state: DepthState, src: Tensor) -> None:
         if state.buffered:  # the next read writes it into its slot
-            state.pending.append((state.n_done, src, False))
+            state.pending.append((state.n_done, src))
         else:
             state.done.append(src)
         state.n_done += 1
@@ -477,8 +494,6 @@ class _DepthRouting(ResidualStream):
         if site == self.bounds[j + 1] - 1:
             self._complete(state, state.partial)
             state.partial = None
-        elif state.buffered:  # the next read routes over it in the block's scratch slot
-            state.pending.append((state.n_done, state.partial, True))
 
     def _route(self, state: DepthState, site: int) -> Tensor:
         """The routed value [M, d] at read ``site`` (``2L`` = final) in the state's dtype."""
@@ -489,8 +504,11 @@ class _DepthRouting(ResidualStream):
             self._starts = 0  # the next start belongs to the next forward
         if state.buffered:
             out, weights = _buffered_route(self, state, query, gain)
-            n = state.n_done + (state.partial is not None)
-            sources = state.store.buf[:n] if want else None
+            sources = None
+            if want:
+                sources = state.store.buf[:state.n_done]
+                if state.partial is not None:
+                    sources = torch.cat([sources, state.partial.unsqueeze(0)])
         else:
             srcs = state.done + ([state.partial] if state.partial is not None else [])
             sources = torch.stack([s.to(state.dtype) for s in srcs])
