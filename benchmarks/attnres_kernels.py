@@ -132,17 +132,30 @@ def main() -> int:
                                 tile[0], t.block_h, t.block_dh, tile[1], tile[1]))
                             name = f"triton {tile[0]}:{tile[1]}"
 
+                        # The tail variant's backward is timed on its own leaves (stack, tail,
+                        # query, gain): through slices of one leaf, autograd's slicing backward
+                        # (zero-fill and copy of the whole stack) would dominate the time.
+                        run_leaves = leaves
+                        if name == "triton-tail":
+                            run_leaves = [x.detach().clone().requires_grad_()
+                                          for x in (sources[:-1], sources[-1], query, gain)]
+
                         def forward() -> torch.Tensor:
                             with torch.no_grad():
                                 return fn(sources, query, gain, heads, EPS)
 
                         def forward_backward() -> None:
-                            fn(*leaves, heads, EPS).backward(dout)
+                            if name == "triton-tail":
+                                stack, tail, q, g = run_leaves
+                                out = route_triton(stack, q, g, heads, EPS, tail=tail)
+                            else:
+                                out = fn(*leaves, heads, EPS)
+                            out.backward(dout)
 
                         forward()  # compile (if any) outside the timed region
                         forward_backward()
                         t_fwd = triton.testing.do_bench(forward, return_mode="median")
-                        t_all = triton.testing.do_bench(forward_backward, grad_to_none=leaves,
+                        t_all = triton.testing.do_bench(forward_backward, grad_to_none=run_leaves,
                                                         return_mode="median")
                         cells = err_cells.get(name, "- | - | - | -")
                         print(f"| {dtype_name} | {d} | {n} | {heads} | {cells} | {name} | "
