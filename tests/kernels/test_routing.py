@@ -358,8 +358,10 @@ def test_triton_tail_gradient_is_fresh_when_accumulating(routing_triton: ModuleT
 @pytest.mark.parametrize("impl", ["reference", "compile"])
 def test_tail_in_other_impls_is_a_stacked_source(impl: str) -> None:
     sources, query, gain, dout = make_inputs(4, 5, 24, seed=47)
-    got = grads(route_with_tail(lambda s, q, g, h, eps, rw, tail: route(s, q, g, h, eps, impl, rw, tail=tail)),
-                sources, query, gain, 3, dout)
+    def routed(s, q, g, heads, eps, return_weights, tail):
+        return route(s, q, g, heads, eps, impl, return_weights, tail=tail)
+
+    got = grads(route_with_tail(routed), sources, query, gain, 3, dout)
     want = grads(route_reference, sources, query, gain, 3, dout)
     for name, a, b in zip(("out", "alpha", "dsources", "dquery", "dgain"), got, want):
         assert rel_err(a, b) < 1e-5, name

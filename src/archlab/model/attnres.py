@@ -48,9 +48,9 @@ Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the devi
   read by one read only, so it never enters the buffer: the read routes over ``buf[:n]`` plus
   the partial sum as a *tail* source (``route(..., tail=)``), which the Triton kernels read in
   place and whose gradient they write fresh (``compile`` and ``reference`` copy it into the
-  block's own slot, still free, and route over one more slot). A read is ``_BufferedRoute``, a custom
-  ``autograd.Function`` that saves only the query, gain, routing weights, its output and its
-  tail. Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``.
+  block's own slot, still free, and route over one more slot). A read is ``_BufferedRoute``, a
+  custom ``autograd.Function`` that saves only the query, gain, routing weights, its output and
+  its tail. Memory: one ``O(L*d)``-per-token buffer instead of ``O(L^2*d)``.
 
   Backward accumulates in place, as the MHAR paper does: every read adds its source gradients to
   one gradient buffer ``grad`` (shaped like ``buf``, zero-filled by the first backward), the
