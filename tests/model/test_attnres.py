@@ -340,6 +340,23 @@ def test_buffered_gradient_accumulation_over_forwards(impl):
         assert_grads_close(p.grad.cpu(), ga[name] + gb[name], name)
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("case", ["block", "mhar-block", "delta"])
+def test_buffered_inference_equals_list_path(case, impl):
+    """Without autograd (evaluation, generation) partial sums are routed the same way: in place as
+    the kernels' tail (``triton``) or through the block's free slot (``reference`` when buffered)."""
+    device = impl_device(impl)
+    model = grad_model(case, impl).to(device).eval()
+    idx = torch.randint(0, 97, (2, 6)).to(device)
+    model.residual.impl, model.residual.buffered = "reference", False
+    with torch.no_grad():
+        want = model(idx).logits
+    model.residual.impl, model.residual.buffered = impl, True
+    with torch.no_grad():
+        got = model(idx).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_buffered_path_under_torch_compile():
     """The compiled model (buffered reads as graph breaks) has the eager model's gradients."""
     model = grad_model("delta", "reference", seed=16)
