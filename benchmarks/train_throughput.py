@@ -50,6 +50,8 @@ VARIANTS = {
     "block8-attnres-triton": ["model.residual.kind=attnres", "model.residual.blocks=8", "model.residual.impl=triton"],
     "block8-mhar4-triton": ["model.residual.kind=attnres", "model.residual.heads=4", "model.residual.blocks=8",
                             "model.residual.impl=triton"],
+    # a converted model's continued pretraining: standard stream + gated MHAR over per-layer deltas
+    "delta-mhar4-triton": ["model.residual.kind=delta", "model.residual.heads=4", "model.residual.impl=triton"],
     "moe8x2": ["model.ffn=moe", "model.moe.n_experts=8", "model.moe.top_k=2"],
 }
 # The routing's dtype options (defaults: bf16 sources under autocast, gradient sums in bf16 too).

@@ -112,11 +112,17 @@ def test_checkpoint_holds_a_device_tensor_learning_rate_as_a_number():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("residual", ["standard", "attnres"])
+@pytest.mark.parametrize("residual", [(), ("model.residual.kind=attnres",),
+                                      ("model.residual.kind=attnres", "model.residual.blocks=2",
+                                       "model.residual.heads=2")],
+                         ids=["standard", "attnres", "block-mhar"])
 def test_cuda_graph_step_matches_the_ordinary_step(stdlib_data, tmp_path, residual):
-    """Replayed steps follow the ordinary steps' loss curve, past the warm-up and the capture."""
+    """Replayed steps follow the ordinary steps' loss curve, past the warm-up and the capture.
+
+    Block MHAR routes its partial sums as the kernels' tail operand, tensors the graph allocates
+    and replays like any other intermediate."""
     extra = ("train.steps=9", "train.log_every=1", "train.eval_every=9", "train.ckpt_every=9",
-             "train.device=cuda", f"model.residual.kind={residual}")
+             "train.device=cuda", *residual)
     curves = {}
     for graph in (False, True):
         out = tmp_path / f"graph{graph}"
