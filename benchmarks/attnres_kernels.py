@@ -12,7 +12,9 @@ elements. Forward + backward adds the backward's minimum: the upstream gradient 
 sources read once, the source gradients written once, ``(2N + 1) * M * d`` more.
 
 ``--tiles 1:2 2:4 ...`` also times the Triton kernels with other tiles (rows per program and
-warps, for both kernels), the way ``routing_triton._tiles`` was tuned.
+warps, for both kernels), the way ``routing_triton._tiles`` was tuned. ``--accumulate`` times the
+Triton backward as the model runs it, adding into a gradient buffer; ``--impls triton-tail``
+routes the last source as the kernels' tail operand, as Block AttnRes does with a partial sum.
 
 Run on a CUDA machine: ``PYTHONPATH=src python benchmarks/attnres_kernels.py`` (``--help`` for
 a smaller sweep). Without CUDA it prints one line and exits 0.
@@ -60,6 +62,9 @@ def main() -> int:
                              "kernels' tail operand, as Block AttnRes passes a partial sum")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM:WARPS",
                         help="also time the Triton kernels with these tiles")
+    parser.add_argument("--accumulate", action="store_true",
+                        help="time the Triton backward as the model runs it: adding into a "
+                             "gradient buffer (load-add-store) instead of writing fresh gradients")
     args = parser.parse_args()
     try:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
@@ -122,6 +127,7 @@ def main() -> int:
                     fwd_bytes = (n + 1) * args.m * d * elem
                     bwd_bytes = (2 * n + 1) * args.m * d * elem
                     leaves = [x.detach().clone().requires_grad_() for x in (sources, query, gain)]
+                    grad_buf = torch.zeros_like(sources) if args.accumulate else None
                     runs = [(name, None) for name in args.impls]
                     runs += [("triton", tile) for tile in tiles]
                     for name, tile in runs:
@@ -145,6 +151,11 @@ def main() -> int:
                                 return fn(sources, query, gain, heads, EPS)
 
                         def forward_backward() -> None:
+                            if args.accumulate and name.startswith("triton"):
+                                out, w = routing_triton._route_forward(sources, query, gain, heads, EPS)
+                                routing_triton._route_backward(sources, query, gain, w, out, dout, heads,
+                                                               EPS, accumulate_into=grad_buf)
+                                return
                             if name == "triton-tail":
                                 stack, tail, q, g = run_leaves
                                 out = route_triton(stack, q, g, heads, EPS, tail=tail)
@@ -162,7 +173,7 @@ def main() -> int:
                               f"{t_fwd:.3f} | {fwd_bytes / t_fwd / 1e6:.0f} | {t_all:.3f} | "
                               f"{(fwd_bytes + bwd_bytes) / t_all / 1e6:.0f} |", flush=True)
                         routing_triton._tiles = default_tiles
-                    del sources, dout, leaves
+                    del sources, dout, leaves, grad_buf
                     torch.cuda.empty_cache()
     print(f"\nworst fp32 relative error, {' and '.join(checked)} vs reference: {worst:.2e}")
     return 0

@@ -33,6 +33,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def assert_close_fp32(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to fp32 rounding of a differently ordered reduction (compared on CPU)."""
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6)
+
+
 def make_inputs(n: int, m: int, d: int, seed: int, dtype: torch.dtype = torch.float32,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random ``sources`` [N, M, d], ``query``, ``gain`` [d] and an upstream gradient [M, d].
@@ -287,10 +292,13 @@ def test_triton_backward_accumulates_in_place(routing_triton: ModuleType,
     got, _, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS,
                                                              accumulate_into=big[:n])
     assert got.data_ptr() == big.data_ptr() and got.dtype == acc_dtype
-    assert torch.equal(dquery2, dquery) and torch.equal(dgain2, dgain)
+    # On CUDA the accumulating backward may use another tile (``_tiles``), so its row and
+    # position reductions can round differently: equal to fp32 rounding, not bitwise.
+    assert_close_fp32(dquery2, dquery)
+    assert_close_fp32(dgain2, dgain)
     got, want = got.cpu(), want.cpu()
     if src_dtype == acc_dtype == torch.float32:  # the same fp32 add, in the kernel or here
-        assert torch.equal(got, prior + want)
+        assert_close_fp32(got, prior + want)
     else:  # the fp32 sum rounded once to the buffer's dtype; ``want`` was rounded to the sources'
         total = prior.float() + want.float()
         tol = torch.finfo(acc_dtype).eps * total.abs() + torch.finfo(src_dtype).eps * want.float().abs()
@@ -348,8 +356,8 @@ def test_triton_tail_gradient_is_fresh_when_accumulating(routing_triton: ModuleT
     got_ds, got_dt, dq2, dg2 = routing_triton._route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
                                                               heads, EPS, accumulate_into=big[:n],
                                                               tail=tail)
-    assert torch.equal(got_dt.cpu(), want_dt.cpu()) and torch.equal(dq2, dq) and torch.equal(dg2, dg)
-    assert torch.equal(big[:n].cpu(), prior[:n] + want_ds.cpu())
+    for a, b in ((got_dt, want_dt), (dq2, dq), (dg2, dg), (big[:n], prior[:n] + want_ds.cpu())):
+        assert_close_fp32(a, b)
     assert torch.equal(big[n:].cpu(), prior[n:])  # the tail's gradient went nowhere near the buffer
     ref = grads(route_reference, sources, query, gain, heads, dout.cpu())[2]
     assert rel_err(want_dt.cpu(), ref[n]) < 1e-5 and rel_err(want_ds.cpu(), ref[:n]) < 1e-5

@@ -251,7 +251,7 @@ class _Tiles:
     fwd_warps: int
 
 
-def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
+def _tiles(m: int, d: int, heads: int, device: torch.device, accumulate: bool = False) -> _Tiles:
     """Pick the tile: full padded rows, ``BLOCK_M`` rows per program, few warps.
 
     Measured on an H200 (d = 768..2048, bf16 and fp32): small programs (one row of about 1K
@@ -266,6 +266,13 @@ def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
     in bf16 that took the forward from 0.567 to 0.439 ms (d = 768, N = 25) and from 1.185 to
     0.965 ms (d = 1024, N = 49) on an H200, while one warp made the backward slower and the
     4-head forward slower too (``benchmarks/attnres_kernels.py --tiles``, docs/benchmarks.md).
+
+    Multi-head backward that accumulates (``accumulate``, as the model's buffered routing runs
+    it): two rows of about 1K padded columns and four warps. Measured, not explained (it was not
+    profiled): with that tile a 4-head forward + accumulating backward took about 8% less time
+    (d = 768 and 1024, N = 13 and 25, bf16, 32k positions, H200), while for one head, and
+    without accumulation, the default tile stayed best (``attnres_kernels.py --accumulate
+    --tiles``).
     """
     block_h = triton.next_power_of_2(heads)
     block_dh = triton.next_power_of_2(d // heads)
@@ -274,6 +281,8 @@ def _tiles(m: int, d: int, heads: int, device: torch.device) -> _Tiles:
         block_m = max(1, 1024 // block_d)
         num_warps = 2 if block_m * block_d <= 2048 else 4
         fwd_warps = 1 if heads == 1 and block_m * block_d <= 1024 else num_warps
+        if accumulate and heads > 1:
+            block_m, num_warps = 2 * block_m, 4
     else:
         block_m = min(8, triton.next_power_of_2(max(m, 1)))
         num_warps = fwd_warps = 1
@@ -354,7 +363,7 @@ def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tens
     """
     _check_tail(sources, tail)
     n, m, d = sources.shape
-    t = _tiles(m, d, heads, sources.device)
+    t = _tiles(m, d, heads, sources.device, accumulate_into is not None)
     n_blocks = triton.cdiv(m, t.block_m)
     programs = _backward_programs(n_blocks, sources.device)
     if accumulate_into is None:
