@@ -363,9 +363,10 @@ def test_triton_tail_gradient_is_fresh_when_accumulating(routing_triton: ModuleT
     assert rel_err(want_dt.cpu(), ref[n]) < 1e-5 and rel_err(want_ds.cpu(), ref[:n]) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["reference", "compile"])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("compile", marks=pytest.mark.compile)])
 def test_tail_in_other_impls_is_a_stacked_source(impl: str) -> None:
     sources, query, gain, dout = make_inputs(4, 5, 24, seed=47)
+
     def routed(s, q, g, heads, eps, return_weights, tail):
         return route(s, q, g, heads, eps, impl, return_weights, tail=tail)
 
