@@ -384,6 +384,15 @@ def test_bad_tail_is_rejected() -> None:
         route(sources, query, gain, 1, EPS, impl="reference", tail=sources[0].double())
 
 
+@pytest.mark.triton_interpret
+def test_bad_tail_is_rejected_by_triton(routing_triton: ModuleType, kernel_device: torch.device) -> None:
+    sources, query, gain, _ = (t.to(kernel_device) for t in make_inputs(3, 5, 16, seed=48))
+    with pytest.raises(ValueError, match="tail must be one more source"):
+        routing_triton.route_triton(sources, query, gain, 1, EPS, tail=sources[0, :4])
+    with pytest.raises(ValueError, match="tail must have the sources' strides"):
+        routing_triton._route_forward(sources, query, gain, 1, EPS, sources[0].t().contiguous().t())
+
+
 # ----------------------------------------------------------------------------------------------
 # Dispatcher
 # ----------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from archlab.data.arrow import save_to_disk_files
 from archlab.errors import DataError
 
 TASK_DIR_ENV = "ARCHLAB_TASK_DIR"
@@ -364,8 +365,6 @@ def _rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
 
 def _dir_rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
     if (path / "state.json").is_file():
-        from archlab.data.arrow import save_to_disk_files
-
         for f in save_to_disk_files(path):
             for i, rec in enumerate(_read_arrow(f)):
                 yield Row(rec, f"{f}, row {i}")

@@ -18,7 +18,7 @@ import torch
 
 from archlab.errors import ConfigError
 from archlab.kernels.routing_compiled import route_compiled
-from archlab.kernels.routing_reference import route_reference, validate_route_args
+from archlab.kernels.routing_reference import route_reference, validate_tail
 
 IMPLS: tuple[str, ...] = ("auto", "reference", "compile", "triton")
 
@@ -114,8 +114,8 @@ def route(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, heads:
     copied into the buffer; the other implementations concatenate.
     """
     chosen = resolve_impl(impl, sources.device)
-    if tail is not None and chosen != "triton":
-        validate_route_args(sources, query, gain, heads, tail)
+    if tail is not None and chosen != "triton":  # the implementation validates the rest
+        validate_tail(sources, tail)
         sources = torch.cat([sources, tail.unsqueeze(0)])
     if chosen == "reference":
         return route_reference(sources, query, gain, heads, eps, return_weights)

@@ -38,6 +38,11 @@ def validate_route_args(sources: torch.Tensor, query: torch.Tensor, gain: torch.
     if not (sources.is_floating_point() and query.is_floating_point()
             and gain.is_floating_point()):
         raise ValueError("sources, query and gain must be floating point")
+    validate_tail(sources, tail)
+
+
+def validate_tail(sources: torch.Tensor, tail: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless ``tail`` (if any) is one more source: [M, d], the sources' dtype."""
     if tail is not None and (tail.shape != sources.shape[1:] or tail.dtype != sources.dtype):
         raise ValueError(f"tail must be one more source, {tuple(sources.shape[1:])} {sources.dtype}; "
                          f"got {tuple(tail.shape)} {tail.dtype}")

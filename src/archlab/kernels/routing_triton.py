@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from archlab.kernels.routing_reference import validate_route_args
+from archlab.kernels.routing_reference import validate_route_args, validate_tail
 
 
 @triton.jit
@@ -308,12 +308,8 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
 
 def _check_tail(sources: torch.Tensor, tail: torch.Tensor | None) -> None:
     """The kernels address the tail with the stack's offsets: same shape, dtype and row stride."""
-    if tail is None:
-        return
-    if tail.shape != sources.shape[1:] or tail.dtype != sources.dtype:
-        raise ValueError(f"tail must be {tuple(sources.shape[1:])} {sources.dtype}, got "
-                         f"{tuple(tail.shape)} {tail.dtype}")
-    if tail.stride() != sources.stride()[1:]:
+    validate_tail(sources, tail)
+    if tail is not None and tail.stride() != sources.stride()[1:]:
         raise ValueError("tail must have the sources' strides over (M, d)")
 
 
@@ -436,7 +432,7 @@ def route_triton(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
     the sources' over (M, d), the sources are made contiguous and so is the tail. The returned
     weights are detached (they are diagnostics; no gradient flows through them).
     """
-    validate_route_args(sources, query, gain, heads, tail)
+    validate_route_args(sources, query, gain, heads)  # the tail: by ``_check_tail`` in the launch
     if sources.stride(-1) != 1:
         sources = sources.contiguous()
     if tail is not None and tail.stride() != sources.stride()[1:]:

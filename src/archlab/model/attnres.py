@@ -272,17 +272,26 @@ def _triton_backward():
     return _route_backward
 
 
+def _tail_into_slot(store: SourceBuffer, n: int, tail: Tensor | None) -> int:
+    """Copy ``tail`` into slot ``n`` and return the number of slots to route over.
+
+    For the implementations without a tail operand, which would otherwise concatenate (a copy of
+    every source per read). Slot ``n`` is free: the block the tail belongs to is not complete, and
+    the block's sum lands there only when it is (in backward, a later block sum may have taken it
+    since, so the copy is repeated there).
+    """
+    if tail is None:
+        return n
+    store.buf[n].copy_(tail)
+    return n + 1
+
+
 def _route_slots(store: SourceBuffer, n: int, query: Tensor, gain: Tensor, heads: int, eps: float,
                  impl: str, tail: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(out, weights)`` of the route over ``store.buf[:n]`` plus ``tail``.
-
-    The Triton kernels read the tail in place. The other implementations would concatenate, a
-    copy of every source per read; the tail is copied into slot ``n`` instead, which is free: the
-    block it belongs to is not complete, and the block's sum lands there only when it is.
-    """
-    if tail is not None and impl != "triton":
-        store.buf[n].copy_(tail)
-        n, tail = n + 1, None
+    """``(out, weights)`` of the route over ``store.buf[:n]`` plus ``tail`` (read in place by the
+    Triton kernels, through slot ``n`` otherwise)."""
+    if impl != "triton":
+        n, tail = _tail_into_slot(store, n, tail), None
     return route(store.buf[:n], query, gain, heads, eps, impl, return_weights=True, tail=tail)
 
 
@@ -327,10 +336,7 @@ class _BufferedRoute(torch.autograd.Function):
                                                           dout.contiguous(), ctx.heads, ctx.eps,
                                                           accumulate_into=grad, tail=tail)
             else:  # recompute the route (tail in slot n, as the forward had it) and differentiate
-                n = ctx.n
-                if tail is not None:
-                    store.buf[n].copy_(tail)  # a later block sum may have taken the slot since
-                    n += 1
+                n = _tail_into_slot(store, ctx.n, tail)
                 with torch.enable_grad():
                     s = store.buf[:n].detach().requires_grad_(True)
                     q = query.detach().requires_grad_(True)
