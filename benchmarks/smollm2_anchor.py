@@ -11,7 +11,7 @@
 Downloads nothing at run time. Steps:
 
 1. ``transformers`` loads the GGUF (dequantised to fp32) as ``LlamaForCausalLM``; archlab imports
-   the same weights (``archlab.model.hf.from_hf_state_dict``, the path ``load_hf`` takes).
+   the same weights (``archlab.convert.hf.from_hf_state_dict``, the path ``load_hf`` takes).
 2. Logits of both models on real task text (fp32): max absolute difference.
 3. Each task (default HellaSwag and LAMBADA, first ``--limit`` items) scored twice: by archlab's
    harness (archlab model, ``tokenizers`` backend, batched and padded) and by an independent
@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from archlab.eval.harness import Scorer, byte_len, evaluate_items, split_whitespace  # noqa: E402
 from archlab.eval.tasks import LambadaItem, MCItem, find_task, load_task  # noqa: E402
-from archlab.model.hf import build_model_from_hf, from_hf_state_dict  # noqa: E402
+from archlab.convert.hf import build_model_from_hf, from_hf_state_dict  # noqa: E402
 
 
 def reference_scores(hf, tok, requests):

@@ -34,7 +34,7 @@ import torch
 
 from archlab.config import make_config
 from archlab.model.accounting import mfu_flops_per_token
-from archlab.train.device import peak_flops
+from archlab.io.device import peak_flops
 from archlab.train.trainer import Run
 
 VARIANTS = {

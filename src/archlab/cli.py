@@ -62,8 +62,8 @@ def cmd_eval(args) -> int:
     import torch
 
     from archlab.data.loader import TokenData
-    from archlab.train.checkpoint import load_model
-    from archlab.train.device import resolve_device
+    from archlab.io.checkpoint import load_model
+    from archlab.io.device import resolve_device
 
     if args.limit is not None and args.limit <= 0:
         raise ArchlabError(f"--limit must be positive, got {args.limit}")
@@ -107,8 +107,8 @@ def cmd_generate(args) -> int:
 
     from archlab.data.tokenizer import load_tokenizer
     from archlab.infer.generate import Generator, Sampling
-    from archlab.train.checkpoint import load_model
-    from archlab.train.device import resolve_device
+    from archlab.io.checkpoint import load_model
+    from archlab.io.device import resolve_device
 
     model, cfg, ckpt = load_model(args.ckpt, resolve_device(args.device))
     tok_path = ckpt / "tokenizer.json"
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     def cmd_import_hf(args) -> int:
-        from archlab.model.hf import cli_import_hf
+        from archlab.convert.hf import cli_import_hf
         return cli_import_hf(args)
 
     h = sub.add_parser("import-hf", help="convert a Hugging Face Llama checkpoint (safetensors or GGUF) "

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from archlab.errors import ConfigError
+from archlab.typed import build, check, merge, round_up
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,86 +277,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------------------------
 # Loading and overriding
 # --------------------------------------------------------------------------------------------
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"config error: {key}: {message}")
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against annotation ``tp``; return it (ints are accepted for floats)."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"config error: {key}: expected a mapping, got {value!r}")
-        return _build(tp, value, key)
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-    elif origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError:
-                continue
-    elif origin is list:
-        if isinstance(value, list):
-            (inner,) = typing.get_args(tp)
-            return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    elif tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"config error: {key}: expected {_describe(tp)}, got {value!r}")
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            raise ConfigError(f"config error: unknown key {key!r}; allowed here: {', '.join(names)}")
-        kwargs[k] = _coerce(v, hints[k], key)
-    return cls(**kwargs)
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+_round_up = round_up
+_check = check
+_build = build
+_merge = merge
 
 
 def parse_override(item: str) -> dict[str, Any]:

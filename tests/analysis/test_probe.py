@@ -42,7 +42,7 @@ def test_js_divergence_values():
 
 
 def test_probe_cli_on_saved_checkpoint(tmp_path, capsys):
-    from archlab.train.checkpoint import save_model
+    from archlab.io.checkpoint import save_model
 
     run = make_config("tiny", overrides=["model.vocab_size=300", "model.n_layers=2", "model.d_model=64",
                                          "model.residual.kind=attnres", "model.residual.heads=4",
@@ -89,7 +89,7 @@ def test_probe_on_prepared_data_and_delta_model(tmp_path, stdlib_data):
     from archlab.data.loader import TokenData
 
     base = build_model(tiny_model_cfg(vocab_size=512))
-    from archlab.model.convert import to_delta_mhar
+    from archlab.convert.delta import to_delta_mhar
 
     cfg, sd = to_delta_mhar(base.state_dict(), base.cfg, heads=4)
     delta = build_model(cfg)
@@ -103,7 +103,7 @@ def test_probe_on_prepared_data_and_delta_model(tmp_path, stdlib_data):
 
 
 def test_probe_refuses_standard_model(tmp_path):
-    from archlab.train.checkpoint import save_model
+    from archlab.io.checkpoint import save_model
 
     run = make_config("tiny", overrides=["model.vocab_size=300", "model.n_layers=1", "model.d_model=32"])
     save_model(tmp_path / "std", build_model(run.model), run)

@@ -15,7 +15,7 @@ from tests.eval.test_tasks import PIQA, write_save_to_disk
 @pytest.fixture(scope="module")
 def ckpt(trained_model, tokenizer, tmp_path_factory) -> Path:
     from archlab.config import RunConfig
-    from archlab.train.checkpoint import save_model
+    from archlab.io.checkpoint import save_model
 
     root = tmp_path_factory.mktemp("ckpt")
     tokenizer.save(str(root / "tokenizer.json"))
@@ -78,7 +78,7 @@ def test_eval_task_errors_are_one_line(ckpt, task_dir, capsys):
 
 def test_eval_tasks_needs_the_checkpoint_tokenizer(trained_model, task_dir, tmp_path, capsys):
     from archlab.config import RunConfig
-    from archlab.train.checkpoint import save_model
+    from archlab.io.checkpoint import save_model
 
     cfg = RunConfig(model=trained_model.cfg)
     cfg.train.seq_len = 32

@@ -49,7 +49,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from archlab.model.convert import convert_checkpoint
+    from archlab.convert.delta import convert_checkpoint
 
     info = convert_checkpoint(args.ckpt, args.out, heads=args.heads, groups=args.groups,
                               overwrite=args.overwrite)

@@ -238,8 +238,8 @@ def probe_checkpoint(ckpt: str | Path, data: str | Path | None = None, out: str 
                      n_batches: int = 4, batch_size: int = 4, seq_len: int = 128,
                      device: str = "auto") -> tuple[dict[str, Any], list[Path]]:
     """``archlab probe routing``: load a checkpoint, pick tokens, probe, write the outputs."""
-    from archlab.train.checkpoint import load_model
-    from archlab.train.device import resolve_device
+    from archlab.io.checkpoint import load_model
+    from archlab.io.device import resolve_device
 
     for key, value in (("batches", n_batches), ("batch-size", batch_size), ("seq-len", seq_len)):
         if value < 1:

@@ -222,7 +222,7 @@ def load_checkpoint_for_eval(path, device: torch.device | str = "cpu"):
     directory means its latest); the tokenizer is the ``tokenizer.json`` the trainer copies from
     the run's data into every checkpoint (verified against its checksum when loading)."""
     from archlab.data.tokenizer import load_tokenizer
-    from archlab.train.checkpoint import load_model
+    from archlab.io.checkpoint import load_model
 
     model, cfg, ckpt = load_model(path, device)
     tok_path = ckpt / "tokenizer.json"

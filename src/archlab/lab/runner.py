@@ -82,7 +82,7 @@ def evaluate_run(run_dir: Path, cfg: RunConfig, tasks: dict[str, list[Any]], *,
     """The real ``EvalFn``: ``archlab eval --tasks`` on the run's latest (= final) checkpoint, on
     the run's device, ``train.batch_size`` sequences per forward pass."""
     from archlab.eval.harness import evaluate_checkpoint
-    from archlab.train.device import resolve_device
+    from archlab.io.device import resolve_device
 
     results, _ = evaluate_checkpoint(run_dir, tasks, device=resolve_device(cfg.train.device),
                                      batch_size=cfg.train.batch_size, progress=progress)

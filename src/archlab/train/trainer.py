@@ -22,9 +22,9 @@ from archlab.config import RunConfig, dump_yaml
 from archlab.errors import CheckpointError, TrainingDiverged
 from archlab.model import build_model
 from archlab.model.accounting import mfu_flops_per_token, param_counts
-from archlab.train import checkpoint as ckpt_io
+from archlab.io import checkpoint as ckpt_io
 from archlab.train.cuda_graph import GraphedStep
-from archlab.train.device import device_name, peak_flops, resolve_device
+from archlab.io.device import device_name, peak_flops, resolve_device
 from archlab.train.progress import TrainProgress
 
 
@@ -168,7 +168,7 @@ class Run:
                  "optimizer": ometa, "data": {"path": self.cfg.data.path, "seed": self.cfg.data.seed}}
         root = self.out / "ckpt"
         name = f"step_{step:07d}"
-        ckpt_io.write_checkpoint(root / name, {"model": ckpt_io._weights(self.model), "optim": otensors}, state,
+        ckpt_io.write_checkpoint(root / name, {"model": ckpt_io.model_tensors(self.model), "optim": otensors}, state,
                                  {"tokenizer.json": self.data.tokenizer_path})
         ckpt_io.atomic_write_text(root / "latest", name + "\n")
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())

@@ -71,7 +71,7 @@ def convert_checkpoint(ckpt: str | Path, out: str | Path, heads: int = 4, groups
     sequence must equal the original's exactly. Returns a summary (paths, sizes, the check).
     """
     from archlab.model import build_model
-    from archlab.train.checkpoint import load_model, save_model
+    from archlab.io.checkpoint import load_model, save_model
 
     out = Path(out)
     model, run_cfg, ckpt_dir = load_model(ckpt)

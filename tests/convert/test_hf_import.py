@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from archlab.cli import main  # noqa: E402
 from archlab.errors import ArchlabError, CheckpointError  # noqa: E402
-from archlab.model.hf import (UnsupportedModel, build_model_from_hf, config_from_hf,  # noqa: E402
+from archlab.convert.hf import (UnsupportedModel, build_model_from_hf, config_from_hf,  # noqa: E402
                               from_hf_state_dict, load_hf)
 
 VOCAB = 96
@@ -87,7 +87,7 @@ def save_tokenizer_json(folder: Path) -> Path:
 
 @pytest.mark.parametrize("shard", [None, "30KB"])
 def test_save_pretrained_folder_and_cli(tmp_path, capsys, shard):
-    from archlab.train.checkpoint import load_model
+    from archlab.io.checkpoint import load_model
 
     hf = hf_model(tie=shard is not None)
     src = tmp_path / "hf"
@@ -159,7 +159,7 @@ def write_gguf(path: Path, hf) -> Path:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_gguf_import_matches(tmp_path, capsys, tie):
-    from archlab.train.checkpoint import load_model
+    from archlab.io.checkpoint import load_model
 
     hf = hf_model(tie=tie)
     path = write_gguf(tmp_path / "tiny.gguf", hf)

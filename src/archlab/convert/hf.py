@@ -182,7 +182,7 @@ def from_hf_state_dict(state_dict: dict[str, Tensor], hf_config: dict[str, Any],
 def build_model_from_hf(cfg: ModelConfig, state_dict: dict[str, Tensor]):
     """An archlab ``Transformer`` holding the imported weights (strict key and shape check)."""
     from archlab.model import build_model
-    from archlab.train.checkpoint import load_weights
+    from archlab.io.checkpoint import load_weights
 
     model = build_model(cfg)
     load_weights(model, state_dict, Path("<hugging face import>"))
@@ -311,7 +311,7 @@ def load_hf(path: str | Path, gguf_file: str | None = None, dtype: torch.dtype |
 def import_hf(src: str | Path, out: str | Path, gguf_file: str | None = None) -> Path:
     """Convert a Hugging Face checkpoint into an archlab checkpoint directory (``save_model``)."""
     from archlab.config import RunConfig
-    from archlab.train.checkpoint import save_model
+    from archlab.io.checkpoint import save_model
 
     hf = load_hf(src, gguf_file)
     model = build_model_from_hf(hf.config, hf.state_dict)
@@ -336,7 +336,7 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 def cli_import_hf(args) -> int:
     """``archlab import-hf --src PATH [--gguf FILE] --out DIR``."""
     ckpt = import_hf(args.src, args.out, args.gguf)
-    from archlab.train.checkpoint import read_state
+    from archlab.io.checkpoint import read_state
 
     state = read_state(ckpt)
     m = state["config"]["model"]

@@ -11,7 +11,7 @@ from archlab.config import ResidualConfig, make_config
 from archlab.errors import ArchlabError, ConfigError
 from archlab.model import build_model
 from archlab.model.attnres import block_bounds
-from archlab.model.convert import new_parameter_names, to_delta_mhar
+from archlab.convert.delta import new_parameter_names, to_delta_mhar
 from tests.helpers import tiny_model_cfg
 
 
@@ -147,7 +147,7 @@ def _cli(argv):
 
 
 def test_convert_cli_round_trip(tmp_path, stdlib_data, real_tokens):
-    from archlab.train.checkpoint import load_model, save_model
+    from archlab.io.checkpoint import load_model, save_model
 
     run = make_config("tiny", overrides=["model.vocab_size=512", "model.n_layers=2", "model.d_model=64"])
     torch.manual_seed(3)

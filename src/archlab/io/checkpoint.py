@@ -56,7 +56,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with tied tensors stored once (safetensors refuses shared storage)."""
     sd = model.state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -153,7 +153,7 @@ def save_model(out_dir: str | Path, model: torch.nn.Module, run_cfg: RunConfig,
     """A weights-only checkpoint (for conversion, export, evaluation)."""
     extra = {"tokenizer.json": Path(tokenizer_path)} if tokenizer_path else None
     state = {"config": run_cfg.to_dict(), "config_hash": run_cfg.hash(), **(extra_state or {})}
-    return write_checkpoint(Path(out_dir), {"model": _weights(model)}, state, extra)
+    return write_checkpoint(Path(out_dir), {"model": model_tensors(model)}, state, extra)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
@@ -174,7 +174,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
-    own = _weights(model)
+    own = model_tensors(model)
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
     if missing or unexpected:
