@@ -153,7 +153,7 @@ def main() -> int:
                         def forward_backward() -> None:
                             if args.accumulate and name.startswith("triton"):
                                 out, w = routing_triton._route_forward(sources, query, gain, heads, EPS)
-                                routing_triton._route_backward(sources, query, gain, w, out, dout, heads,
+                                routing_triton.route_backward(sources, query, gain, w, out, dout, heads,
                                                                EPS, accumulate_into=grad_buf)
                                 return
                             if name == "triton-tail":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def tiny_model_cfg(**over):
     """A model small enough for exact float checks in milliseconds."""
-    from archlab.config import ModelConfig
+    from archlab.model.config import ModelConfig
 
     base = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
     base.update(over)

@@ -74,7 +74,7 @@ def test_eval_generate_info_on_a_trained_run(tiny_run, stdlib_data, capsys):
     assert out.startswith("def main(") and "import" in out
     code, out, err = run_cli(capsys, "info", "--set", "model.branch.enabled=true", "--context", "256")
     assert code == 0, err
-    assert "without decode branch" in out and "prefill FLOPs / token" in out and "1.000x" in out
+    assert "baseline" in out and "prefill FLOPs / token" in out and "1.000x" in out
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "state"])
@@ -116,3 +116,12 @@ def test_data_info(stdlib_data, capsys):
     code, out, err = run_cli(capsys, "data", "info", str(stdlib_data))
     assert code == 0, err
     assert "train" in out and "val" in out
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--prompt", "def", "--max-new-tokens", "100000"], ["--max-new-tokens", "context of 256"]),
+    (["eval", "--seq-len", "100000"], ["--seq-len", "context of 256"]),
+])
+def test_arguments_beyond_the_models_context_are_one_line(tiny_run, capsys, argv, words):
+    code, _, err = run_cli(capsys, argv[0], "--ckpt", str(tiny_run), *argv[1:])
+    assert_one_line_error(code, err, 2, *words)

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from archlab.errors import ArchlabError, CheckpointError, DataError
+from archlab.errors import ArchlabError, CheckpointError, DataError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,6 +89,8 @@ def cmd_eval(args) -> int:
     data.check_model_vocab(cfg.model.vocab_size)
     _check_tokenizer_matches(ckpt, data)
     seq = args.seq_len or cfg.train.seq_len
+    if seq > cfg.model.max_seq_len:
+        raise UsageError(f"--seq-len must be at most the model's context of {cfg.model.max_seq_len} tokens, got {seq}")
     losses = []
     with torch.no_grad():
         for x, y in data.val_batches(args.batches, args.batch_size, seq):
@@ -111,6 +113,9 @@ def cmd_generate(args) -> int:
     from archlab.io.device import resolve_device
 
     model, cfg, ckpt = load_model(args.ckpt, resolve_device(args.device))
+    if args.max_new_tokens >= cfg.model.max_seq_len:
+        raise UsageError(f"--max-new-tokens must be below the model's context of {cfg.model.max_seq_len} "
+                           f"tokens (room is needed for the prompt), got {args.max_new_tokens}")
     tok_path = ckpt / "tokenizer.json"
     if not tok_path.is_file():
         raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json; cannot encode prompts")
@@ -132,23 +137,19 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import copy
-
     from rich.console import Console
     from rich.table import Table
 
     from archlab.model.accounting import costs
+    from archlab.model.config import ModelConfig
 
     cfg = _load_cfg(args)
     columns = [("this config", cfg.model)]
-    if cfg.model.branch.enabled:
-        base = copy.deepcopy(cfg.model)
-        base.branch.enabled = False
-        columns.append(("without decode branch", base))
-    if cfg.model.residual.kind != "standard":
-        base = copy.deepcopy(cfg.model)
-        base.residual.kind = "standard"
-        columns.append(("standard residual", base))
+    # The baseline of the same sizes: every slot at its core kind, every variant off.
+    core = {k: v for k, v in cfg.model.to_dict().items() if not isinstance(v, dict)}
+    base = ModelConfig(**{k: v for k, v in core.items() if k not in ModelConfig.slot_fields()})
+    if base.to_dict() != cfg.model.to_dict():
+        columns.append(("baseline", base.validate()))
     ctx = args.context or cfg.train.seq_len
     rows = [costs(m, ctx, args.batch, args.dtype_bytes) for _, m in columns]
     if args.json:
@@ -171,6 +172,42 @@ def cmd_info(args) -> int:
             cells.append(f"{vals[0] / vals[1]:.3f}x" if vals[1] else "-")
         table.add_row(label, *cells)
     Console().print(table)
+    return 0
+
+
+def cmd_config(args) -> int:
+    """The resolved config as YAML, or (``--list``) every key with its type and default."""
+    from archlab.config import dump_yaml
+
+    if not args.list:
+        print(dump_yaml(_load_cfg(args)), end="")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from archlab.config import DataConfig, TrainConfig
+    from archlab.model import registry
+    from archlab.model.config import ModelConfig
+    from archlab.typed import fields_table
+
+    rows = fields_table(ModelConfig, "model")
+    for name, v in sorted(registry.sections().items()):
+        rows += fields_table(v.options, f"model.{name}")
+    rows += fields_table(DataConfig, "data") + fields_table(TrainConfig, "train")
+    table = Table(title="config keys (YAML nesting or --set key=value)")
+    for col in ("key", "type", "default"):
+        table.add_column(col)
+    for key, tp, default in rows:
+        table.add_row(key, tp, "null" if default is None else str(default))
+    slots = Table(title="slots: the kinds registered for each")
+    for col in ("slot", "chosen by", "kinds (core kind first)"):
+        slots.add_column(col)
+    for slot in registry.SLOTS.values():
+        kinds = sorted(registry.variants(slot.name), key=lambda k: (k != slot.default, k))
+        slots.add_row(slot.name, f"model.{slot.key}" if slot.key else "the variant's own switch", ", ".join(kinds))
+    console = Console()
+    console.print(table)
+    console.print(slots)
     return 0
 
 
@@ -234,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype-bytes", type=int, default=2)
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    c = sub.add_parser("config", help="print the resolved config as YAML, or list every key (--list)")
+    _config_args(c)
+    c.add_argument("--list", action="store_true",
+                   help="list every config key with its type and default, and the kinds of every slot")
+    c.set_defaults(func=cmd_config)
 
     from archlab.analysis.cli import register as register_analysis
     from archlab.lab.cli import register as register_lab

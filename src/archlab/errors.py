@@ -28,3 +28,9 @@ class CheckpointError(ArchlabError):
 
 class TrainingDiverged(ArchlabError):
     """The loss became non-finite; the last good checkpoint is kept."""
+
+
+class UsageError(ArchlabError):
+    """A command-line argument out of its range (exit code 2, like argparse's own errors)."""
+
+    exit_code = 2

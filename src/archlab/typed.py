@@ -137,9 +137,9 @@ def build(cls: type, data: dict[str, Any], prefix: str = "", reporter: Reporter 
           extra: Callable[[str, Any, str], Any] | None = None) -> Any:
     """An instance of dataclass ``cls`` from ``data``, every key and value checked.
 
-    ``extra(name, value, key)``: called for keys that are not fields (a dataclass with open
-    sections, such as the model config); return the built value or fail. Without it an unknown
-    key fails listing the allowed ones.
+    ``extra(name, value, key)``: called for keys that are not fields (a config with open sections,
+    such as the model config, whose constructor takes them as keywords); returns the built value
+    or fails. Without it an unknown key fails listing the allowed ones.
     """
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
@@ -152,10 +152,7 @@ def build(cls: type, data: dict[str, Any], prefix: str = "", reporter: Reporter 
             rest[k] = extra(str(k), v, key)
         else:
             reporter.unknown(key, names)
-    obj = cls(**kwargs)
-    for k, v in rest.items():
-        obj.set_section(k, v)  # the open-section protocol (see archlab.model.registry)
-    return obj
+    return cls(**kwargs, **rest)
 
 
 def fields_table(cls: type, prefix: str = "") -> list[tuple[str, str, Any]]:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from archlab.analysis.probe import collect_routing, probe_routing, summarize, text_token_batches
-from archlab.config import ResidualConfig, make_config
+from archlab.config import make_config
+from archlab.model.variants.attnres import ResidualConfig
 from archlab.errors import ArchlabError
 from archlab.model import build_model
-from archlab.model.attnres import mean_pairwise_js
+from archlab.model.variants.attnres.module import mean_pairwise_js
 from tests.helpers import tiny_model_cfg
 
 

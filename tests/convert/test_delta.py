@@ -7,10 +7,11 @@ import argparse
 import pytest
 import torch
 
-from archlab.config import ResidualConfig, make_config
+from archlab.config import make_config
+from archlab.model.variants.attnres import ResidualConfig
 from archlab.errors import ArchlabError, ConfigError
 from archlab.model import build_model
-from archlab.model.attnres import block_bounds
+from archlab.model.variants.attnres.module import block_bounds
 from archlab.convert.delta import new_parameter_names, to_delta_mhar
 from tests.helpers import tiny_model_cfg
 
@@ -44,7 +45,7 @@ def test_converted_logits_equal_original_exactly(heads, groups, branch, real_tok
             a, b = base(idx), delta(idx)
             assert (a.logits - b.logits).abs().max().item() == 0.0
             if branch:
-                assert (a.branch_logits - b.branch_logits).abs().max().item() == 0.0
+                assert (a.extra_logits - b.extra_logits).abs().max().item() == 0.0
 
 
 def test_conversion_copies_every_baseline_tensor():

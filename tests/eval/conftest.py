@@ -44,7 +44,7 @@ def tokenizer(sentence, tmp_path_factory):
 def trained_model(sentence, tokenizer):
     """A 2-layer model trained (150 steps, about 1.5 s) on the sentence repeated between
     ``<|endoftext|>`` tokens, until its loss is about 0.01: it continues any prefix greedily."""
-    from archlab.config import ModelConfig
+    from archlab.model.config import ModelConfig
     from archlab.model import build_model
 
     threads = torch.get_num_threads()

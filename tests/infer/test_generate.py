@@ -7,7 +7,6 @@ import torch
 
 from archlab.infer.generate import Generator, Sampling, sample
 from archlab.model import build_model
-from archlab.model.transformer import readout_log_probs
 from tests.helpers import tiny_model_cfg
 
 
@@ -27,8 +26,7 @@ def teacher_forced(gen: Generator, seqs: list[list[int]], prompt_lens: list[int]
 def assert_matches_full_forward(model, seqs, prompt_lens, atol=1e-5):
     got = teacher_forced(Generator(model), seqs, prompt_lens)
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        out = model(torch.tensor([s]))
-        ref = readout_log_probs(out.logits, out.branch_logits, model.cfg)[0]
+        ref = model.log_probs(model(torch.tensor([s])))[0]
         for j in range(len(s) - p):
             torch.testing.assert_close(got[i][j], ref[p - 1 + j], atol=atol, rtol=0)
 

@@ -286,10 +286,10 @@ def test_triton_backward_accumulates_in_place(routing_triton: ModuleType,
     dev_args = [t.to(kernel_device) for t in (sources, query, gain)]
     dev_dout = dout.to(kernel_device)
     out, alpha = routing_triton._route_forward(*dev_args, heads, EPS)
-    want, _, dquery, dgain = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS)
+    want, _, dquery, dgain = routing_triton.route_backward(*dev_args, alpha, out, dev_dout, heads, EPS)
     big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(32)).to(kernel_device, acc_dtype)
     prior = big[:n].to("cpu", copy=True)  # before the kernel adds to ``big``
-    got, _, dquery2, dgain2 = routing_triton._route_backward(*dev_args, alpha, out, dev_dout, heads, EPS,
+    got, _, dquery2, dgain2 = routing_triton.route_backward(*dev_args, alpha, out, dev_dout, heads, EPS,
                                                              accumulate_into=big[:n])
     assert got.data_ptr() == big.data_ptr() and got.dtype == acc_dtype
     # On CUDA the accumulating backward may use another tile (``_tiles``), so its row and
@@ -349,11 +349,11 @@ def test_triton_tail_gradient_is_fresh_when_accumulating(routing_triton: ModuleT
     dev = [t.to(kernel_device) for t in (sources, query, gain, dout)]
     stack, tail = dev[0][:n], dev[0][n]
     out, alpha = routing_triton._route_forward(stack, dev[1], dev[2], heads, EPS, tail)
-    want_ds, want_dt, dq, dg = routing_triton._route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
+    want_ds, want_dt, dq, dg = routing_triton.route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
                                                               heads, EPS, tail=tail)
     big = torch.randn(n + 2, m, d, generator=torch.Generator().manual_seed(46)).to(kernel_device)
     prior = big.to("cpu", copy=True)
-    got_ds, got_dt, dq2, dg2 = routing_triton._route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
+    got_ds, got_dt, dq2, dg2 = routing_triton.route_backward(stack, dev[1], dev[2], alpha, out, dev[3],
                                                               heads, EPS, accumulate_into=big[:n],
                                                               tail=tail)
     for a, b in ((got_dt, want_dt), (dq2, dq), (dg2, dg), (big[:n], prior[:n] + want_ds.cpu())):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archlab.config import ModelConfig
+from archlab.model.config import ModelConfig
 from archlab.model import build_model
 from archlab.model.accounting import costs, decode_bytes_per_step, param_counts
 from tests.helpers import tiny_model_cfg

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from archlab.errors import ArchlabError, CheckpointError
-from archlab.model.attnres import RoutingRecorder, _DepthRouting, mean_pairwise_js, site_label
+from archlab.model.variants.attnres.module import RoutingRecorder, DepthRouting, mean_pairwise_js, site_label
 
 STREAM_NAMES = ("primary", "branch")
 
@@ -58,16 +58,16 @@ def text_token_batches(ckpt_dir: Path | None, vocab_size: int, n_batches: int, b
     return [torch.from_numpy(w.copy()) for w in windows], source
 
 
-def routing_module(model: nn.Module) -> _DepthRouting:
+def routing_module(model: nn.Module) -> DepthRouting:
     res = getattr(model, "residual", None)
-    if not isinstance(res, _DepthRouting):
+    if not isinstance(res, DepthRouting):
         kind = getattr(getattr(model, "cfg", None), "residual", None)
         raise ArchlabError(f"routing probe needs an attnres or delta model; this one has residual kind "
                            f"{getattr(kind, 'kind', '?')!r}")
     return res
 
 
-def collect_routing(model: nn.Module, batches: list[torch.Tensor], with_branch: bool = True) -> RoutingRecorder:
+def collect_routing(model: nn.Module, batches: list[torch.Tensor], followers: bool = True) -> RoutingRecorder:
     """Run ``model`` on ``batches`` (token ids [B, T]) with routing recording on."""
     res = routing_module(model)
     device = next(model.parameters()).device
@@ -76,7 +76,7 @@ def collect_routing(model: nn.Module, batches: list[torch.Tensor], with_branch: 
     try:
         with torch.no_grad(), res.recording() as rec:
             for x in batches:
-                model(x.to(device), with_branch=with_branch)
+                model(x.to(device), followers=followers)
     finally:
         model.train(was_training)
     return rec
@@ -220,10 +220,10 @@ def plot_routing(summary: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def probe_routing(model: nn.Module, batches: list[torch.Tensor], out_dir: str | Path,
-                  with_branch: bool = True, meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Path]]:
+                  followers: bool = True, meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Path]]:
     """Record, summarise and write ``routing.json`` plus the heat maps under ``out_dir``."""
     out = Path(out_dir)
-    rec = collect_routing(model, batches, with_branch=with_branch)
+    rec = collect_routing(model, batches, followers=followers)
     summary = summarize(model, rec)
     summary.update(meta or {})
     summary["tokens"] = int(sum(x.numel() for x in batches))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from archlab.config import ModelConfig
+from archlab.model.config import ModelConfig
 from archlab.errors import CheckpointError, ConfigError
 
 RESIDUAL_PREFIX = "residual."
@@ -43,24 +43,28 @@ def to_delta_mhar(state_dict: dict[str, Tensor], model_cfg: ModelConfig, heads: 
                                            delta_groups=groups, blocks=0)
     new_cfg.validate()  # heads must divide d_model, groups in 0..2L
 
-    from archlab.model.attnres import DeltaResidual
-
     ref = state_dict.get("tok_emb.weight")
     if ref is None:
         raise CheckpointError("the weights have no tok_emb.weight; not an archlab model")
-    fresh = DeltaResidual(new_cfg)
-    fresh.init_weights(new_cfg.init_std, new_cfg.init_std)
+    fresh = _delta_stream(new_cfg)
     new_sd = dict(state_dict)
     for name, value in fresh.state_dict().items():
         new_sd[RESIDUAL_PREFIX + name] = value.to(device=ref.device, dtype=ref.dtype)
     return new_cfg, new_sd
 
 
+def _delta_stream(cfg: ModelConfig):
+    """A freshly initialised delta residual stream of ``cfg`` (its identity init)."""
+    from archlab.model.core.spec import layer_specs
+
+    stream = cfg.variant("residual").load()(cfg, layer_specs(cfg))
+    stream.init_parameters(cfg.variant("init").load()(cfg))
+    return stream
+
+
 def new_parameter_names(cfg: ModelConfig) -> list[str]:
     """State-dict keys the delta conversion adds for ``cfg`` (a delta config)."""
-    from archlab.model.attnres import DeltaResidual
-
-    return [RESIDUAL_PREFIX + k for k in DeltaResidual(cfg).state_dict()]
+    return [RESIDUAL_PREFIX + k for k in _delta_stream(cfg).state_dict()]
 
 
 def convert_checkpoint(ckpt: str | Path, out: str | Path, heads: int = 4, groups: int = 0,
@@ -89,9 +93,7 @@ def convert_checkpoint(ckpt: str | Path, out: str | Path, heads: int = 4, groups
     idx = (torch.arange(2 * n).view(2, n) * 7919 % cfg.vocab_size).long()
     with torch.no_grad():
         a, b = model(idx), new_model(idx)
-        diff = float((a.logits - b.logits).abs().max())
-        if a.branch_logits is not None:
-            diff = max(diff, float((a.branch_logits - b.branch_logits).abs().max()))
+        diff = float((model.log_probs(a) - new_model.log_probs(b)).abs().max())
     if diff != 0.0:
         raise RuntimeError(f"delta conversion changed the model's function (max |dlogit| = {diff}); "
                            "this is a bug in archlab")

@@ -52,14 +52,10 @@ LogLikelihoodFn = Callable[[Sequence[tuple[str, str]]], list[Score]]
 
 
 def archlab_logits(model) -> Callable[[Tensor], Tensor]:
-    """An archlab model's prediction as [B, T, V] scores (logits, or the readout's log-probs)."""
-    from archlab.model.transformer import readout_log_probs
+    """An archlab model's prediction as [B, T, V] log-probabilities (its readout's)."""
 
     def forward(idx: Tensor) -> Tensor:
-        out = model(idx)
-        if out.branch_logits is None:
-            return out.logits
-        return readout_log_probs(out.logits, out.branch_logits, model.cfg)
+        return model.log_probs(model(idx))
 
     return forward
 

@@ -4,24 +4,22 @@ Prompts are left-padded to a common length so that every row writes the same cac
 step (static shapes: the decode step compiles once). Each row carries its own RoPE positions and a
 key-validity mask that hides its padding.
 
-With the decode branch (spec section 1):
-  * prefill runs the primary path only and writes the only KV cache; it records, at the last prompt
-    position, the primary activations the branch couples to;
-  * the branch row of the last prompt token then runs alone, reading that cache;
-  * every later step runs the primary row and the branch rows of the new token as one stacked group
-    (``fuse=True``: one matrix multiply per weight, one attention call reading the cache once);
-    only the primary writes keys/values, so the branch leaves nothing behind.
+The model's rows kind arranges the two phases (``Transformer.prefill`` / ``decode``); with the
+decode branch (spec section 1) prefill runs the primary path, which writes the only KV cache, and
+the branch row of the last prompt token in the same call; every later step runs the primary row
+and the branch rows of the new token as one stacked group (one matrix multiply per weight, one
+attention call reading the cache once). Both phases return the readout's log-probabilities.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from archlab.model.layers import CouplingStash, KVCache
-from archlab.model.transformer import Transformer, readout_log_probs
+from archlab.model.core.decoder import Transformer
+from archlab.model.core.layers import KVCache
 
 
 @dataclass
@@ -41,8 +39,6 @@ class DecodeState:
     pad: Tensor  # [B] left padding per row
     key_valid: Tensor  # [B, max_len]
     next_slot: int  # cache slot the next token is written to
-    stash: CouplingStash | None = None
-    primary_logits: list[Tensor] = field(default_factory=list)  # per step, for inspection
 
 
 class DecodeStep(torch.nn.Module):
@@ -53,16 +49,13 @@ class DecodeStep(torch.nn.Module):
         super().__init__()
         self.model, self.cache = model, cache
 
-    def forward(self, idx: Tensor, input_pos: Tensor, rope_pos: Tensor, key_valid: Tensor) -> list[Tensor | None]:
-        branch_idx = idx if self.model.n_branches else None
-        return self.model.forward_cached(idx, self.cache, input_pos, rope_pos, key_valid,
-                                         branch_idx=branch_idx, fuse=True)
+    def forward(self, idx: Tensor, input_pos: Tensor, rope_pos: Tensor, key_valid: Tensor) -> Tensor:
+        return self.model.decode(idx, self.cache, input_pos, rope_pos, key_valid)
 
 
 class Generator:
     def __init__(self, model: Transformer, compile_decode: bool = False):
         self.model = model.eval()
-        self.branch = model.n_branches > 0
         self.compile_decode = compile_decode
 
     @property
@@ -88,22 +81,13 @@ class Generator:
         slots = torch.arange(max_len, device=dev)
         key_valid = slots[None, :] >= pad[:, None]
         cache = self.model.new_cache(b, max_len)
-        stash = CouplingStash(record=True) if self.branch else None
         input_pos = torch.arange(s, device=dev)
         rope_pos = (input_pos[None, :] - pad[:, None]).clamp_min(0)
-        primary = self.model.forward_cached(tokens, cache, input_pos, rope_pos, key_valid, stash=stash)[0]
+        logprobs = self.model.prefill(tokens, cache, input_pos, rope_pos, key_valid)
         step = DecodeStep(self.model, cache)
         if self.compile_decode:
             step = torch.compile(step, mode="reduce-overhead")
-        state = DecodeState(cache, step, pad, key_valid, s, stash)
-        last = primary[:, -1:]
-        state.primary_logits.append(last)
-        branch = None
-        if self.branch:
-            stash.record = False
-            branch = self.model.forward_cached(None, cache, input_pos[-1:], rope_pos[:, -1:], key_valid,
-                                               branch_idx=tokens[:, -1:], stash=stash)[1]
-        return state, self._readout(last, branch)[:, 0]
+        return DecodeState(cache, step, pad, key_valid, s), logprobs
 
     @torch.no_grad()
     def advance(self, state: DecodeState, tokens: Tensor) -> Tensor:
@@ -112,16 +96,9 @@ class Generator:
         idx = tokens.view(-1, 1).to(dev)
         input_pos = torch.tensor([state.next_slot], device=dev)
         rope_pos = (input_pos[None, :] - state.pad[:, None]).clamp_min(0)
-        outs = state.step(idx, input_pos, rope_pos, state.key_valid)
+        logprobs = state.step(idx, input_pos, rope_pos, state.key_valid)
         state.next_slot += 1
-        state.primary_logits.append(outs[0])
-        return self._readout(outs[0], outs[1] if self.branch else None)[:, 0]
-
-    def _readout(self, primary: Tensor, branch: Tensor | None) -> Tensor:
-        if branch is not None:
-            b = primary.shape[0]
-            branch = branch.view(self.model.n_branches, b, *branch.shape[1:])
-        return readout_log_probs(primary, branch, self.model.cfg)
+        return logprobs
 
     # ---- sampling loop -------------------------------------------------------------------------
     @torch.no_grad()

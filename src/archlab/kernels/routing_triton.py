@@ -341,7 +341,7 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
     return out, weights
 
 
-def _route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
+def route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
                     weights: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, heads: int,
                     eps: float, accumulate_into: torch.Tensor | None = None,
                     tail: torch.Tensor | None = None,
@@ -416,7 +416,7 @@ class _RouteFunction(torch.autograd.Function):
         sources, tail, query, gain, weights, out = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dsources, dtail, dquery, dgain = _route_backward(sources, query, gain, weights, out, dout,
+        dsources, dtail, dquery, dgain = route_backward(sources, query, gain, weights, out, dout,
                                                          ctx.heads, ctx.eps, tail=tail)
         return dsources, dtail, dquery, dgain, None, None
 

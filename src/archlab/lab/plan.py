@@ -9,7 +9,6 @@ old results.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -137,7 +136,7 @@ class _CostCache:
         self._cache: dict[str, dict[str, Any]] = {}
 
     def __call__(self, model: ModelConfig, context: int) -> dict[str, Any]:
-        key = json.dumps([dataclasses.asdict(model), context], sort_keys=True)
+        key = json.dumps([model.to_dict(), context], sort_keys=True)
         if key not in self._cache:
             out = self.fn(model, context, batch=1, dtype_bytes=self.dtype_bytes)
             missing = [k for k in COST_KEYS if k not in out]

@@ -1,6 +1,8 @@
 """Exact cost accounting from a config: parameters, FLOPs per phase, KV and decode bytes.
 
-Conventions (stated once, used everywhere, including MFU and iso-FLOP budgets):
+Every component states its own cost (``cost`` classmethods returning ``core.cost.Cost``); this
+module only lists a config's components and sums. Conventions (stated once, used everywhere,
+including MFU and iso-FLOP budgets):
 
 * A matrix multiply of a row by a ``m x n`` weight costs ``2 m n`` FLOPs. Norms, activations,
   softmaxes and RoPE are not counted (they are a few percent at these sizes and bandwidth-bound).
@@ -14,120 +16,121 @@ Conventions (stated once, used everywhere, including MFU and iso-FLOP budgets):
 * Decode bytes per step: every weight the step uses is read once (embedding tables only one row
   per token), plus the whole KV cache at that context, plus the new keys/values written.
 
-The decode branch adds rows, not weights: prefill is the baseline's, decode and training run
-``1 + n_branches`` rows, the branch rows compute no keys/values and read no extra weights but
-their embedding row and the coupling vectors.
+Follower rows (the decode branch's) add rows, not weights: prefill is the primary's alone,
+decode and training run ``1 + followers`` rows; followers compute no keys/values and read no
+extra weights but their embedding row and the coupling vectors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from archlab.config import ModelConfig
-from archlab.model.ffn import ffn_param_counts
-from archlab.model.residual import residual_type
+from archlab.model import registry
+from archlab.model.config import ModelConfig
+from archlab.model.core.cost import Cost
+from archlab.model.core.layers import Attention
+from archlab.model.core.spec import layer_specs
 
 
-def _layer_attn(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
-    """(attention projection params, q_dim, kv_dim) of one layer."""
-    h, kvh, hd = cfg.heads_at(layer)
-    q_dim, kv_dim = h * hd, kvh * hd
-    return cfg.d_model * (2 * q_dim + 2 * kv_dim), q_dim, kv_dim
+@dataclass
+class Part:
+    name: str  # "embedding", "rows", "residual", "L3.attn", "L3.ffn", "L3.norms", "final_norm", "head"
+    layer: int | None
+    cost: Cost
+
+
+def parts(cfg: ModelConfig) -> list[Part]:
+    """Every component of ``cfg``'s model with its cost."""
+    d, V = cfg.d_model, cfg.vocab_size
+    specs = layer_specs(cfg)
+    norm = cfg.variant("norm").load()
+    ffn = cfg.variant("ffn").load()
+    out = [Part("embedding", None, Cost(params=V * d, embedding=V * d))]
+    out.append(Part("rows", None, cfg.variant("rows").load().cost(cfg, specs)))
+    out.append(Part("residual", None, cfg.variant("residual").load().cost(cfg, specs)))
+    for s in specs:
+        norms = Cost(params=sum(norm.cost(cfg, site, s.d).params for site in ("attn_in", "attn_out", "mlp_in", "mlp_out")))
+        out += [Part(f"L{s.layer}.attn", s.layer, Attention.cost(cfg, s)),
+                Part(f"L{s.layer}.ffn", s.layer, ffn.cost(cfg, s)),
+                Part(f"L{s.layer}.norms", s.layer, norms)]
+    out.append(Part("final_norm", None, norm.cost(cfg, "final", d)))
+    head = Cost(params=0 if cfg.tie_embeddings else V * d, flops=2 * d * V,
+                # a tied table is read whole as the unembedding
+                decode_params=(lambda batch: V * d) if cfg.tie_embeddings else None)
+    out.append(Part("head", None, head))
+    return out
+
+
+def followers(cfg: ModelConfig) -> int:
+    """Follower rows per token (they run in training and decode, not in prefill)."""
+    return registry.followers(cfg)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    d, V = cfg.d_model, cfg.vocab_size
-    R = cfg.branch.n_branches if cfg.branch.enabled else 0
-    ffn = ffn_param_counts(cfg)
-    coupling_hidden = ffn.get("coupling_hidden", cfg.hidden if cfg.ffn == "swiglu" else 0)
-    attn = sum(_layer_attn(cfg, l)[0] for l in range(cfg.n_layers))
-    q_dims = sum(_layer_attn(cfg, l)[1] for l in range(cfg.n_layers))
-    norms = cfg.n_layers * 2 * d + d
-    coupling = R * (q_dims + cfg.n_layers * (coupling_hidden + d)) if cfg.branch.coupling else 0
-    residual = residual_type(cfg).param_count(cfg)
-    embed = V * d
-    branch_embed = R * V * d
-    head = 0 if cfg.tie_embeddings else V * d
-    total = embed + branch_embed + head + attn + cfg.n_layers * ffn["total"] + norms + coupling + residual
-    inactive_experts = cfg.n_layers * (ffn["total"] - ffn["active"])
+    ps = [p.cost for p in parts(cfg)]
     return {
-        "params_total": total,
-        "params_embedding": embed + branch_embed,
-        # What the primary row touches: every weight but unused experts and branch-only tensors.
-        "params_active": total - inactive_experts - branch_embed - coupling,
-        "params_branch_extra": branch_embed + coupling,
+        "params_total": sum(c.params for c in ps),
+        "params_embedding": sum(c.embedding for c in ps),
+        # What a primary row touches: every weight but unused experts and follower-only tensors.
+        "params_active": sum(c.active_params - c.follower_only for c in ps),
+        "params_branch_extra": sum(c.follower_only for c in ps),
     }
 
 
-def _row_forward_flops(cfg: ModelConfig, keys: float, branch_row: bool) -> float:
-    """Forward FLOPs of one row (one token) attending to ``keys`` keys in every layer."""
-    ffn = ffn_param_counts(cfg)
-    flops = 0.0
-    for l in range(cfg.n_layers):
-        proj, q_dim, kv_dim = _layer_attn(cfg, l)
-        if branch_row:  # the branch projects its query and output only; K/V are the primary's
-            proj -= 2 * cfg.d_model * kv_dim
-        flops += 2 * proj + 4 * q_dim * keys
-        flops += 2 * (ffn["active_branch"] if branch_row else ffn["active"])
-    flops += 2 * cfg.d_model * cfg.vocab_size  # unembedding
-    flops += residual_type(cfg).flops_per_token(cfg)
-    return flops
+def _row_flops(cfg: ModelConfig, keys: float, follower: bool) -> float:
+    return sum(p.cost.row_flops(keys, follower) for p in parts(cfg))
 
 
-def _rows(cfg: ModelConfig) -> int:
-    return cfg.branch.n_branches if cfg.branch.enabled else 0
+def _all_rows_flops(cfg: ModelConfig, keys: float) -> float:
+    return _row_flops(cfg, keys, False) + followers(cfg) * _row_flops(cfg, keys, True)
 
 
 def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
-    """Mean forward FLOPs per prompt token (primary path only: the branch is not run in prefill)."""
-    return _row_forward_flops(cfg, (prompt_len + 1) / 2, branch_row=False)
+    """Mean forward FLOPs per prompt token (primary rows only: followers do not run in prefill)."""
+    return _row_flops(cfg, (prompt_len + 1) / 2, False)
 
 
 def decode_flops_per_token(cfg: ModelConfig, context: int) -> float:
-    """FLOPs to produce one new token at ``context`` keys: primary row plus branch rows."""
-    return (_row_forward_flops(cfg, context, False)
-            + _rows(cfg) * _row_forward_flops(cfg, context, True))
+    """FLOPs to produce one new token at ``context`` keys: the primary row plus follower rows."""
+    return _all_rows_flops(cfg, context)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    keys = (seq_len + 1) / 2
-    fwd = _row_forward_flops(cfg, keys, False) + _rows(cfg) * _row_forward_flops(cfg, keys, True)
-    return 3 * fwd
+    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2)
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """PaLM convention: 6 N (non-embedding matmul params per row) + 12 L q_dim T, over all rows."""
-    full_keys = seq_len  # non-causal attention, as the convention counts it
-    fwd = _row_forward_flops(cfg, full_keys, False) + _rows(cfg) * _row_forward_flops(cfg, full_keys, True)
-    return 3 * fwd
+    return 3 * _all_rows_flops(cfg, seq_len)  # non-causal attention, as the convention counts it
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
-    return sum(2 * _layer_attn(cfg, l)[2] * dtype_bytes for l in range(cfg.n_layers))
+    return sum(p.cost.kv_elems for p in parts(cfg)) * dtype_bytes
 
 
 def decode_bytes_per_step(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> float:
-    """Bytes read (and KV written) by one decode step of ``batch`` sequences at ``context``.
-
-    MoE: at batch 1 the step reads the primary's ``top_k`` experts (router replay adds none;
-    independent routing may add up to ``branch_top_k`` more, counted as the upper bound); at larger
-    batches the union of experts is bounded by ``n_experts``.
-    """
-    counts = param_counts(cfg)
-    ffn = ffn_param_counts(cfg)
-    weights = counts["params_total"] - counts["params_embedding"]
-    if cfg.tie_embeddings:
-        weights += cfg.vocab_size * cfg.d_model  # the tied table is read whole as the unembedding
-    if cfg.ffn == "moe":
-        per_expert = ffn["per_expert"]  # bytes of one routed expert's three matrices, in params
-        used = min(cfg.moe.n_experts, batch * cfg.moe.top_k)
-        if cfg.branch.enabled and cfg.moe.branch_routing == "independent":
-            used = min(cfg.moe.n_experts, used + batch * _rows(cfg) * (cfg.moe.branch_top_k or cfg.moe.top_k))
-        weights -= cfg.n_layers * (cfg.moe.n_experts - used) * per_expert
-    rows = batch * (1 + _rows(cfg))
-    embed_rows = rows * cfg.d_model
+    """Bytes read (and KV written) by one decode step of ``batch`` sequences at ``context``."""
+    weights = sum(p.cost.params_read_by_decode(batch) for p in parts(cfg))
+    embed_rows = batch * (1 + followers(cfg)) * cfg.d_model
     kv = kv_bytes_per_token(cfg, dtype_bytes)
     return (weights + embed_rows) * dtype_bytes + batch * context * kv + batch * kv
+
+
+def per_layer(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> list[dict[str, Any]]:
+    """Per layer: width, heads, parameters, prefill/decode FLOPs per token and KV bytes per token."""
+    specs = layer_specs(cfg)
+    rows = []
+    nf = followers(cfg)
+    for s in specs:
+        layer = [p.cost for p in parts(cfg) if p.layer == s.layer]
+        prefill = sum(c.row_flops((context + 1) / 2) for c in layer)
+        decode = sum(c.row_flops(context) + nf * c.row_flops(context, True) for c in layer)
+        rows.append({"layer": s.layer, "width": s.d, "heads": s.n_heads, "kv_heads": s.n_kv_heads,
+                     "head_dim": s.head_dim, "params": sum(c.params for c in layer),
+                     "prefill_flops_per_token": prefill, "decode_flops_per_token": decode,
+                     "kv_bytes_per_token": sum(c.kv_elems for c in layer) * dtype_bytes})
+    return rows
 
 
 def costs(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:

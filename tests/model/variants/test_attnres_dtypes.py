@@ -5,26 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archlab.config import ConfigError, ResidualConfig
-from archlab.model import attnres, build_model
+from archlab.errors import ConfigError
+from archlab.model import build_model
+from archlab.model.variants.attnres import ResidualConfig
+from archlab.model.variants.attnres.module import DepthRouting
 from tests.helpers import tiny_model_cfg
 
 
 def _source_dtypes(model, idx: torch.Tensor, autocast: bool) -> list[torch.dtype]:
     seen: list[torch.dtype] = []
-    original = attnres._DepthRouting._new_state
+    original = DepthRouting._new_state
 
-    def spy(self, x0, first):
-        state = original(self, x0, first)
+    def spy(self, x0, first, ctx):
+        state = original(self, x0, first, ctx)
         seen.append(state.dtype)
         return state
 
-    attnres._DepthRouting._new_state = spy
+    DepthRouting._new_state = spy
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(idx, targets=idx).loss.backward()
     finally:
-        attnres._DepthRouting._new_state = original
+        DepthRouting._new_state = original
     return seen
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,20 @@ from archlab.config import make_config
 from archlab.infer.generate import Generator, Sampling
 from archlab.model import build_model
 from archlab.model.accounting import costs
-from archlab.model.transformer import mixture_log_probs, mixture_nll
+from archlab.model.variants.branch.readout import mixture_log_probs as _mixture_log_probs
+from archlab.model.variants.branch.readout import mixture_nll as _mixture_nll
 from tests.helpers import tiny_model_cfg
 from tests.infer.test_generate import assert_matches_full_forward
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "decode_branch"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "decode_branch"
+
+
+def mixture_log_probs(pl, bl, cfg):
+    return _mixture_log_probs(pl, bl, cfg.branch)
+
+
+def mixture_nll(pl, bl, y, cfg):
+    return _mixture_nll(pl, bl, y, cfg.branch)
 
 
 def branch_model(seed=0, randomize_coupling=True, **branch):
@@ -34,8 +44,8 @@ def branch_model(seed=0, randomize_coupling=True, **branch):
 
 def primary_only(model):
     """The same weights without the branch."""
-    cfg = model.cfg.__class__(**{**model.cfg.__dict__})
-    cfg.branch = model.cfg.branch.__class__(**{**model.cfg.branch.__dict__, "enabled": False})
+    cfg = copy.deepcopy(model.cfg)
+    cfg.branch.enabled = False
     base = build_model(cfg).eval()
     own = base.state_dict()
     base.load_state_dict({k: v for k, v in model.state_dict().items() if k in own})
@@ -48,7 +58,7 @@ def test_primary_logits_bitwise_identical_with_branch_on_or_off():
     with torch.no_grad():
         on = model(x).logits
         off = primary_only(model)(x).logits
-        no_rows = model(x, with_branch=False).logits
+        no_rows = model(x, followers=False).logits
     assert torch.equal(on, off) and torch.equal(on, no_rows)
 
 
@@ -60,12 +70,12 @@ def test_uncoupled_branch_with_shared_embedding_equals_primary():
         model.branch_emb.weight.copy_(model.tok_emb.weight)
         x = torch.randint(0, 97, (2, 21))
         out = model(x)
-    torch.testing.assert_close(out.branch_logits[0], out.logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.extra_logits[0], out.logits, atol=1e-6, rtol=0)
     # and a coupled branch with its own embedding differs
     other = branch_model(seed=1)
     with torch.no_grad():
         o = other(x)
-    assert (o.branch_logits[0] - o.logits).abs().max() > 1e-3
+    assert (o.extra_logits[0] - o.logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("n_branches,readout", [(1, "mixture"), (2, "mixture"), (1, "branch")])

@@ -18,13 +18,14 @@ import os
 import pytest
 import torch
 
-from archlab.config import ResidualConfig
+from archlab.model.variants.attnres import ResidualConfig
 from archlab.kernels.routing import available_impls
 from archlab.model import build_model
 from archlab.model.accounting import param_counts
-from archlab.model.attnres import (AttnResResidual, DeltaResidual, SourceBuffer, block_bounds,
+from archlab.model.core.context import Context
+from archlab.model.core.spec import layer_specs
+from archlab.model.variants.attnres.module import (AttnResResidual, DeltaResidual, SourceBuffer, block_bounds,
                                    read_source_counts)
-from archlab.model.layers import AttnContext
 from tests.helpers import tiny_model_cfg
 from tests.infer.test_generate import assert_matches_full_forward
 
@@ -32,6 +33,11 @@ from tests.infer.test_generate import assert_matches_full_forward
 def attnres_cfg(heads=1, blocks=0, n_layers=2, impl="reference", **over):
     return tiny_model_cfg(n_layers=n_layers,
                           residual=ResidualConfig(kind="attnres", heads=heads, blocks=blocks, impl=impl), **over)
+
+
+def stream(cls, cfg):
+    """A residual stream built alone, as the model builds it."""
+    return cls(cfg, layer_specs(cfg))
 
 
 def randomize_stream(res, seed=0, scale=1.0):
@@ -79,7 +85,7 @@ def spec_forward(model, idx, blocks):
     cfg, res = model.cfg, model.residual
     n_sites = 2 * cfg.n_layers
     bounds = block_bounds(n_sites, blocks)
-    ctx = AttnContext(rope=model._rope(torch.arange(idx.shape[1])))
+    ctx = Context(rope=model.position.tables(idx.shape[1]))
     done = [model.tok_emb(idx).double()]  # b_0, then completed block sums
     partial = None
 
@@ -93,7 +99,7 @@ def spec_forward(model, idx, blocks):
     for site in range(n_sites):
         block = model.layers[site // 2]
         sub = block.attention if site % 2 == 0 else block.feed_forward
-        out = sub([read(site)], ctx, False)[0].double()
+        out = sub(read(site), ctx).double()
         j = max(b for b in range(blocks) if bounds[b] <= site)
         partial = out if partial is None else partial + out
         if site == bounds[j + 1] - 1:
@@ -156,10 +162,10 @@ def test_block_sources_and_split_rule():
     assert block_bounds(8, 3) == [0, 2, 5, 8]  # sizes differ by at most one
     cfg = attnres_cfg(blocks=2)  # 4 sublayers, blocks {0,1} {2,3}
     assert read_source_counts(cfg, 2) == [1, 2, 2, 3, 3]
-    res = AttnResResidual(cfg)
+    res = stream(AttnResResidual, cfg)
     assert res.source_labels(3) == ["emb", "block1", "block2.partial"]
     assert res.source_labels(4) == ["emb", "block1", "block2"]
-    full = AttnResResidual(attnres_cfg())
+    full = stream(AttnResResidual, attnres_cfg())
     assert full.source_labels(2) == ["emb", "L0.attn", "L0.mlp"]
 
 
@@ -186,19 +192,17 @@ def test_every_read_is_the_mean_of_its_sources_at_init(kind, blocks, buffered):
 
 
 # ---- composition: cached decoding and the decode branch --------------------------------------------
-def _decode_token_by_token(model, idx, branch):
+def _decode_token_by_token(model, idx):
+    """Log-probabilities after each token, fed one token at a time through the KV cache: a
+    one-token prefill, then grouped decode steps."""
     b, s = idx.shape
     cache = model.new_cache(b, s)
     key_valid = torch.ones(b, s, dtype=torch.bool)
-    prim, br = [], []
+    steps = []
     for t in range(s):
-        tok = idx[:, t:t + 1]
-        outs = model.forward_cached(tok, cache, torch.tensor([t]), torch.full((b, 1), t), key_valid,
-                                    branch_idx=tok if branch else None, fuse=False)
-        prim.append(outs[0])
-        if branch:
-            br.append(outs[1])
-    return torch.cat(prim, 1), (torch.cat(br, 1) if branch else None)
+        step = model.prefill if t == 0 else model.decode
+        steps.append(step(idx[:, t:t + 1], cache, torch.tensor([t]), torch.full((b, 1), t), key_valid))
+    return torch.stack(steps, 1)
 
 
 @pytest.mark.parametrize("kind,blocks,branch", [("attnres", 0, False), ("attnres", 0, True),
@@ -211,16 +215,15 @@ def test_cached_decoding_equals_full_forward(kind, blocks, branch):
     idx = torch.randint(0, 97, (2, 10))
     with torch.no_grad():
         full = model(idx)
-        prim, br = _decode_token_by_token(model, idx, branch)
-    torch.testing.assert_close(prim, full.logits, atol=1e-5, rtol=0)
+        got = _decode_token_by_token(model, idx)
+    torch.testing.assert_close(got, model.log_probs(full), atol=1e-5, rtol=0)
     if branch:
-        torch.testing.assert_close(br.view_as(full.branch_logits), full.branch_logits, atol=1e-5, rtol=0)
         # the branch rows keep their own depth history: they differ from the primary's
-        assert (full.branch_logits[0] - full.logits).abs().max() > 1e-4
+        assert (full.extra_logits[0] - full.logits).abs().max() > 1e-4
 
 
-def test_generator_with_branch_only_steps_matches_full_forward():
-    """The Generator's prefill, branch-only step (row group 0 is None) and fused decode."""
+def test_generator_with_branch_matches_full_forward():
+    """The Generator's prefill (with the branch row of the last prompt token) and grouped decode."""
     torch.manual_seed(6)
     cfg = tiny_model_cfg(n_layers=2, residual=ResidualConfig(kind="attnres", heads=2, blocks=0))
     cfg.branch.enabled = True
@@ -398,7 +401,7 @@ def test_compiled_buffered_model_makes_the_same_graphs_at_any_depth():
 
 def _tiny_stack(res, x0, weights):
     """Run a residual stream over sublayers ``tanh(h @ W)`` without a model around it."""
-    state = res.start(x0)
+    state = res.start(x0, Context(rope=None))
     for site, w in enumerate(weights):
         state = res.write(state, site, torch.tanh(res.read(state, site) @ w))
     return res.final(state), state
@@ -407,7 +410,7 @@ def _tiny_stack(res, x0, weights):
 def test_buffered_state_lifetime():
     """No token or gradient buffer without grad; after backward both buffers are released."""
     torch.manual_seed(13)
-    res = AttnResResidual(attnres_cfg(blocks=2, n_layers=2))
+    res = stream(AttnResResidual, attnres_cfg(blocks=2, n_layers=2))
     res.buffered = True
     x0 = torch.randn(2, 3, 32, requires_grad=True)
     weights = [torch.randn(32, 32) / 6 for _ in range(4)]
@@ -426,7 +429,7 @@ def test_gradient_buffer_dtype(grad_dtype, monkeypatch):
     """bf16 sources: the gradient buffer is bf16 by default or fp32 when asked; either is close."""
     device = impl_device("triton")
     torch.manual_seed(14)
-    res = randomize_stream(AttnResResidual(attnres_cfg(heads=2, blocks=2, impl="triton")), seed=15)
+    res = randomize_stream(stream(AttnResResidual, attnres_cfg(heads=2, blocks=2, impl="triton")), seed=15)
     res_dev = copy.deepcopy(res).to(device)  # routes with Triton; ``res`` gives the fp64 reference on CPU
     x0 = torch.randn(4, 8, 32)
     weights = [torch.randn(32, 32) / 6 for _ in range(4)]
@@ -461,7 +464,7 @@ def test_bf16_source_storage(impl, buffered):
     the fp64 result."""
     device = impl_device(impl)
     torch.manual_seed(16)
-    res = randomize_stream(AttnResResidual(attnres_cfg(heads=2, blocks=2, impl=impl)), seed=17)
+    res = randomize_stream(stream(AttnResResidual, attnres_cfg(heads=2, blocks=2, impl=impl)), seed=17)
     res_dev = copy.deepcopy(res).to(device)  # the run under test; ``res`` gives the fp64 reference on CPU
     x0 = torch.randn(4, 8, 32)
     weights = [torch.randn(32, 32) / 6 for _ in range(4)]
@@ -471,7 +474,7 @@ def test_bf16_source_storage(impl, buffered):
         dev = res.queries[0].device
         res.impl, res.buffered, res.source_dtype = impl, buffered, source_dtype
         x = x0.to(dev, dtype).requires_grad_(True)
-        state = res.start(x)
+        state = res.start(x, Context(rope=None))
         for site, w in enumerate(weights):  # sublayers compute in the input's dtype, as under autocast
             state = res.write(state, site, torch.tanh(res.read(state, site).to(dtype) @ w.to(dev, dtype)))
         y = res.final(state)
@@ -493,19 +496,19 @@ def test_param_count_and_flops():
         cfg = tiny_model_cfg(n_layers=2, residual=ResidualConfig(kind=kind, heads=4, blocks=0))
         model = build_model(cfg)
         n_res = sum(p.numel() for p in model.residual.parameters())
-        assert type(model.residual).param_count(cfg) == n_res
+        assert type(model.residual).cost(cfg, layer_specs(cfg)).params == n_res
         base = param_counts(tiny_model_cfg(n_layers=2))["params_total"]
         assert param_counts(cfg)["params_total"] == base + n_res == sum(p.numel() for p in model.parameters())
     d = 32
     full = attnres_cfg(n_layers=2)  # reads over 1, 2, 3, 4, 5 sources
-    assert AttnResResidual.flops_per_token(full) == 7 * d * (1 + 2 + 3 + 4 + 5)
+    assert AttnResResidual.cost(full, layer_specs(full)).flops == 7 * d * (1 + 2 + 3 + 4 + 5)
     block = attnres_cfg(n_layers=2, blocks=2)  # reads over 1, 2, 2, 3, 3; two partial-sum adds
-    assert AttnResResidual.flops_per_token(block) == 7 * d * 11 + 2 * d
+    assert AttnResResidual.cost(block, layer_specs(block)).flops == 7 * d * 11 + 2 * d
     delta = tiny_model_cfg(n_layers=2, residual=ResidualConfig(kind="delta", heads=4))  # G = L = 2
-    assert DeltaResidual.flops_per_token(delta) == 7 * d * 11 + 2 * d + 5 * 2 * d
+    assert DeltaResidual.cost(delta, layer_specs(delta)).flops == 7 * d * 11 + 2 * d + 5 * 2 * d
 
 
-def test_init_weights_keeps_identity_init():
+def test_reset_parameters_keeps_identity_init():
     model = build_model(tiny_model_cfg(residual=ResidualConfig(kind="delta", heads=4)))
     randomize_routing(model)
     model.reset_parameters()

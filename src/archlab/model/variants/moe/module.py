@@ -23,8 +23,8 @@ Design choices (the spec leaves them open; each is stated here once):
   ``f_e`` the fraction of the ``N * k1`` token-slots routed to ``e`` (so ``sum_e f_e = 1``, no
   gradient) and ``P_e`` the mean full-softmax router probability. Perfectly balanced routing with
   a uniform router gives exactly ``coef`` whatever ``k1``. It is computed on every forward in
-  training mode (``self.training``, with or without grad) and is ``None`` in eval mode, so
-  evaluation losses are pure NLL. The branch rows do not enter it: they share the router, and under
+  training mode (``self.training``, with or without grad) and added to ``ctx.aux_losses``; in
+  eval mode there is none, so evaluation losses are pure NLL. The branch rows do not enter it: they share the router, and under
   replay they do not choose experts at all.
 - **Dispatch (dropless).** The (token, slot) assignments are sorted by expert so each expert sees
   one contiguous slice; expert weights are 3-D parameters (``w_gate_up [E, d, 2h]``,
@@ -33,31 +33,40 @@ Design choices (the spec leaves them open; each is stated here once):
   non-empty expert. There is no capacity factor: no token is ever dropped. Outputs are un-sorted by
   a permutation gather and combined with a per-row weighted sum over the ``k`` slots (no atomic
   scatter-add), so the forward pass is deterministic.
-- **Decode branch.** ``replay`` (default): the branch takes the primary's experts at the same
-  layer and position (for ``k2 < k1`` the ``k2`` of them with the highest *branch* logits) and its
-  own gates; the primary's choice at the last prompt position comes from the coupling stash in the
-  branch-only step. ``independent``: the branch routes itself with top-``k2``. With ``fuse`` the
-  router and the experts each run once over primary and branch rows together (one weight read);
-  without it the primary is computed exactly as if no branch rows existed (bitwise).
+- **Follower rows (decode branch).** ``replay`` (default): a follower row takes its primary row's
+  experts at the same layer and position (for ``k2 < k1`` the ``k2`` of them with the highest
+  *follower* logits) and its own gates; the primary's choice reaches a follower-only pass through
+  ``ctx.rows.share(layer, "experts", ...)``. ``independent``: followers route themselves with
+  top-``k2``. When primary and follower rows share one activation (grouped decode) the router and
+  the experts each run once over all of them (one weight read); a primary-only pass is computed
+  exactly as if no followers existed (bitwise).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from archlab.config import ModelConfig, _round_up
-from archlab.model.ffn import FFN, HiddenCoupling, SwiGLU, register_ffn
-from archlab.model.layers import AttnContext, Groups, project
+from archlab.model import registry
+from archlab.model.core.context import Context
+from archlab.model.core.cost import Cost
+from archlab.model.core.ffn import SwiGLU
+from archlab.model.core.init import NormalInit
+from archlab.typed import round_up
+
+if TYPE_CHECKING:
+    from archlab.model.config import ModelConfig
+    from archlab.model.core.init import Init
+    from archlab.model.core.spec import LayerSpec
 
 
 @dataclass
 class Route:
-    """The expert assignment of one row group."""
+    """The expert assignment of one group of rows."""
 
     idx: Tensor  # [rows, T, k] expert ids (int64)
     gates: Tensor  # [rows, T, k] combine weights, summing to 1 over k (fp32 or wider)
@@ -84,49 +93,46 @@ def load_balance_loss(logits: Tensor, idx: Tensor, coef: float) -> Tensor:
     return coef * n_experts * (f * p).sum()
 
 
-@register_ffn("moe")
-class MoE(FFN):
+def expert_hidden_size(cfg: "ModelConfig", spec: "LayerSpec") -> int:
+    """``moe.expert_hidden``, or the layer's dense hidden split over ``top_k`` (multiple of 64)."""
+    m = cfg.moe
+    if m.expert_hidden:
+        return m.expert_hidden
+    return round_up(-(-spec.hidden // m.top_k), 64)
+
+
+class MoE(nn.Module):
     """Top-k routed SwiGLU experts plus an optional shared expert; see the module docstring."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: "ModelConfig", spec: "LayerSpec"):
         super().__init__()
         m = cfg.moe
-        self.d_model = cfg.d_model
+        self.layer = spec.layer
+        self.d_model = spec.d
         self.n_experts = m.n_experts
         self.top_k = m.top_k
         self.branch_top_k = m.branch_top_k or m.top_k
         self.branch_routing = m.branch_routing
         self.aux_loss_coef = m.aux_loss_coef
-        self.expert_hidden = h = self.expert_hidden_size(cfg)
-        self.router = nn.Linear(cfg.d_model, m.n_experts, bias=False)
+        self.expert_hidden = h = expert_hidden_size(cfg, spec)
+        self.router = nn.Linear(spec.d, m.n_experts, bias=False)
         # Gate and up projections of every expert side by side: one matmul per expert slice.
-        self.w_gate_up = nn.Parameter(torch.empty(m.n_experts, cfg.d_model, 2 * h))
-        self.w_down = nn.Parameter(torch.empty(m.n_experts, h, cfg.d_model))
-        self.shared: SwiGLU | None = SwiGLU(cfg, hidden=h) if m.shared_expert else None
-        self.coupling_hidden = h if self.shared is not None else 0
-        self.aux_loss: Tensor | None = None
-        # The model re-initialises through init_weights; doing it here too keeps a standalone
+        self.w_gate_up = nn.Parameter(torch.empty(m.n_experts, spec.d, 2 * h))
+        self.w_down = nn.Parameter(torch.empty(m.n_experts, h, spec.d))
+        self.shared: SwiGLU | None = SwiGLU(cfg, spec, hidden=h) if m.shared_expert else None
+        # The model initialises through init_parameters; doing it here too keeps a standalone
         # module (tests, probes) on the same distribution.
-        std = cfg.init_std
-        self.init_weights(std, std / math.sqrt(2 * cfg.n_layers))
+        self.init_parameters(NormalInit(cfg))
 
-    # ---- sizes ----------------------------------------------------------------------------------
-    @staticmethod
-    def expert_hidden_size(cfg: ModelConfig) -> int:
-        """``moe.expert_hidden``, or the dense hidden split over ``top_k`` (multiple of 64)."""
-        m = cfg.moe
-        if m.expert_hidden:
-            return m.expert_hidden
-        return _round_up(-(-cfg.hidden // m.top_k), 64)
-
-    @staticmethod
-    def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    # ---- sizes, init, cost -----------------------------------------------------------------------
+    @classmethod
+    def counts(cls, cfg: "ModelConfig", spec: "LayerSpec") -> dict[str, int]:
         """Per-layer parameters: ``total``; ``active`` (router + k1 experts + shared) for a primary
-        row; ``active_branch`` (router + k2 experts + shared) for a branch row. Under replay the
-        branch's experts are a subset of the primary's, so decode reads no extra expert weights,
-        but each branch row still computes ``k2`` experts, which is what this counts."""
+        row; ``active_branch`` (router + k2 experts + shared) for a follower row. Under replay the
+        follower's experts are a subset of the primary's, so decode reads no extra expert weights,
+        but each follower row still computes ``k2`` experts, which is what this counts."""
         m = cfg.moe
-        d, h = cfg.d_model, MoE.expert_hidden_size(cfg)
+        d, h = spec.d, expert_hidden_size(cfg, spec)
         router = d * m.n_experts
         expert = 3 * d * h
         shared = expert if m.shared_expert else 0
@@ -136,67 +142,82 @@ class MoE(FFN):
             "active": router + m.top_k * expert + shared,
             "active_branch": router + k2 * expert + shared,
             "per_expert": expert,
-            "coupling_hidden": h if m.shared_expert else 0,
         }
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        """Normal(0, std) for the router and input projections, Normal(0, out_std) for outputs."""
-        nn.init.normal_(self.router.weight, 0.0, std)
-        nn.init.normal_(self.w_gate_up, 0.0, std)
-        nn.init.normal_(self.w_down, 0.0, out_std)
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", spec: "LayerSpec") -> Cost:
+        """MoE: a decode step of ``batch`` sequences reads the ``top_k`` experts of each (router
+        replay adds none; independent routing may add up to ``branch_top_k`` more per follower,
+        counted as the upper bound); the union is bounded by ``n_experts``."""
+        c = cls.counts(cfg, spec)
+        m = cfg.moe
+        followers = registry.followers(cfg)
+
+        def decode_params(batch: int) -> int:
+            used = min(m.n_experts, batch * m.top_k)
+            if followers and m.branch_routing == "independent":
+                used = min(m.n_experts, used + batch * followers * (m.branch_top_k or m.top_k))
+            return c["total"] - (m.n_experts - used) * c["per_expert"]
+
+        return Cost(params=c["total"], active=c["active"], flops=2 * c["active"],
+                    flops_follower=2 * c["active_branch"], decode_params=decode_params)
+
+    @classmethod
+    def coupling_width(cls, cfg: "ModelConfig", spec: "LayerSpec") -> int:
+        """The shared expert's hidden is the only ``u`` both rows compute in the same expert: the
+        routed experts' hidden activations live in different experts for the two rows."""
+        return expert_hidden_size(cfg, spec) if cfg.moe.shared_expert else 0
+
+    def init_parameters(self, init: "Init") -> None:
+        init.linear(self.router.weight, role="in")
+        init.weight(self.w_gate_up, self.d_model, "in")
+        init.weight(self.w_down, self.expert_hidden, "out")
         if self.shared is not None:
-            nn.init.normal_(self.shared.w_gate_up.weight, 0.0, std)
-            nn.init.normal_(self.shared.w_down.weight, 0.0, out_std)
+            self.shared.init_parameters(init)
 
     # ---- routing --------------------------------------------------------------------------------
-    def _router_logits(self, hs: Groups, fuse: bool) -> Groups:
+    def _router_logits(self, x: Tensor) -> Tensor:
         """Router logits in at least fp32 with autocast off: a bf16 router flips near-tied
         choices, and the router is too small (``d x E``) for its precision to cost anything."""
-        live = next(h for h in hs if h is not None)
-        with torch.autocast(device_type=live.device.type, enabled=False):
-            w = _wide(self.router.weight)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(_wide(x), _wide(self.router.weight))
 
-            def linear(x: Tensor) -> Tensor:
-                return F.linear(_wide(x), w)
+    def route(self, x: Tensor, ctx: Context) -> tuple[Route | None, Route | None]:
+        """Expert ids and gates of the primary rows and of the follower rows (None when absent).
 
-            return project(linear, hs, fuse)  # type: ignore[arg-type]  # any callable works
-
-    def route(self, hs: Groups, ctx: AttnContext, layer: int, fuse: bool) -> list[Route | None]:
-        """Expert ids and gates per row group (``None`` where the group is absent).
-
-        Records the primary's choice in the coupling stash (the branch-only step after prefill
-        replays it from there).
+        The primary's choice goes through ``ctx.rows.share`` so that a later follower-only pass
+        can replay it.
         """
-        logits = self._router_logits(hs, fuse)
-        routes: list[Route | None] = [None] * len(hs)
-        if logits[0] is not None:
-            top, idx = logits[0].topk(self.top_k, dim=-1)
-            routes[0] = Route(idx, torch.softmax(top, dim=-1), logits[0])
-            if ctx.stash is not None:
-                ctx.stash.put(layer, "experts", idx)
-        if len(hs) > 1 and logits[1] is not None:
-            lb = logits[1]
+        lead = ctx.rows.lead(x.shape[0])
+        logits = self._router_logits(x)
+        primary = follower = None
+        prim_idx = None
+        if lead:
+            lp = logits[:lead] if lead < x.shape[0] else logits
+            top, idx = lp.topk(self.top_k, dim=-1)
+            primary = Route(idx, torch.softmax(top, dim=-1), lp)
+            prim_idx = ctx.rows.share(self.layer, "experts", idx)
+        if lead < x.shape[0]:
+            lb = logits[lead:]
             k2 = self.branch_top_k
             if self.branch_routing == "replay":
-                if routes[0] is not None:
-                    prim = routes[0].idx
-                elif ctx.stash is not None:
-                    prim = ctx.stash.get(layer, "experts")
-                else:
-                    raise ValueError("router replay needs the primary rows or a coupling stash")
+                prim = prim_idx if prim_idx is not None else ctx.rows.share(self.layer, "experts", None)
+                if prim is None:
+                    raise ValueError("router replay needs the primary rows' expert choice")
                 if k2 > prim.shape[-1]:
                     raise ValueError(f"router replay: branch_top_k={k2} exceeds top_k={prim.shape[-1]}")
+                prim = prim[:, prim.shape[1] - lb.shape[1]:]  # followers of the last positions only
                 reps = lb.shape[0] // prim.shape[0]
                 cand = prim.repeat(reps, 1, 1)  # branch-major rows: r*B + b <- primary row b
                 cand_logits = lb.gather(-1, cand)
                 if k2 < cand.shape[-1]:
                     cand_logits, pos = cand_logits.topk(k2, dim=-1)
                     cand = cand.gather(-1, pos)
-                routes[1] = Route(cand, torch.softmax(cand_logits, dim=-1), lb)
+                follower = Route(cand, torch.softmax(cand_logits, dim=-1), lb)
             else:
                 top, idx = lb.topk(k2, dim=-1)
-                routes[1] = Route(idx, torch.softmax(top, dim=-1), lb)
-        return routes
+                follower = Route(idx, torch.softmax(top, dim=-1), lb)
+        return primary, follower
 
     # ---- expert computation ---------------------------------------------------------------------
     def _grouped_ok(self, x: Tensor) -> bool:
@@ -253,34 +274,23 @@ class MoE(FFN):
         return (y.view(-1, k, y.shape[-1]) * g).sum(dim=1).to(y.dtype)
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(self, hs: Groups, ctx: AttnContext, layer: int, fuse: bool,
-                couple_hidden: HiddenCoupling | None = None) -> Groups:
-        routes = self.route(hs, ctx, layer, fuse)
-        self.aux_loss = None
-        if self.training and routes[0] is not None and self.aux_loss_coef > 0:
-            self.aux_loss = load_balance_loss(routes[0].logits, routes[0].idx, self.aux_loss_coef)
-
-        live = [i for i, h in enumerate(hs) if h is not None]
-        outs: Groups = [None] * len(hs)
-        if fuse and len(live) > 1:
-            # One pass over the experts for every row group: each expert's weights are read once.
-            xs, toks, exps, sizes, offset = [], [], [], [], 0
-            for i in live:
-                x = hs[i].reshape(-1, self.d_model)
-                tok, exp = self._assignments(routes[i], offset)
-                xs.append(x), toks.append(tok), exps.append(exp), sizes.append(tok.numel())
-                offset += x.shape[0]
-            y = self.dispatch(torch.cat(xs), torch.cat(toks), torch.cat(exps))
-            for i, yi in zip(live, y.split(sizes)):
-                outs[i] = self._combine(yi, routes[i].gates).view(*hs[i].shape[:-1], self.d_model)
-        else:
-            for i in live:
-                tok, exp = self._assignments(routes[i], 0)
-                y = self.dispatch(hs[i].reshape(-1, self.d_model), tok, exp)
-                outs[i] = self._combine(y, routes[i].gates).view(*hs[i].shape[:-1], self.d_model)
-
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        primary, follower = self.route(x, ctx)
+        if self.training and primary is not None and self.aux_loss_coef > 0:
+            ctx.add_aux_loss(load_balance_loss(primary.logits, primary.idx, self.aux_loss_coef))
+        flat = x.reshape(-1, self.d_model)
+        routes = [r for r in (primary, follower) if r is not None]
+        # One pass over the experts for every row: each expert's weights are read once.
+        toks, exps, offset = [], [], 0
+        for r in routes:
+            tok, exp = self._assignments(r, offset)
+            toks.append(tok), exps.append(exp)
+            offset += r.idx.shape[0] * r.idx.shape[1]
+        tok, exp = (toks[0], exps[0]) if len(routes) == 1 else (torch.cat(toks), torch.cat(exps))
+        y = self.dispatch(flat, tok, exp)
+        outs = [self._combine(yi, r.gates) for yi, r in zip(y.split([t.numel() for t in toks]), routes)]
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(*x.shape[:-1], self.d_model)
         if self.shared is not None:
-            # SwiGLU stashes the primary's hidden ``u`` and applies the branch's hidden coupling.
-            shared = self.shared(hs, ctx, layer, fuse, couple_hidden)
-            outs = [o + s if o is not None else None for o, s in zip(outs, shared)]
-        return outs
+            # SwiGLU taps the hidden ``u``, where the decode branch couples its rows.
+            out = out + self.shared(x, ctx)
+        return out

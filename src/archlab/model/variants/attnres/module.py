@@ -1,6 +1,7 @@
 """Attention residuals over depth: AttnRes, Block AttnRes, MHAR and delta conversion (spec section 2).
 
-Two residual streams are registered here (see ``residual.py`` for the interface):
+Two kinds of the ``residual`` slot (``model.residual.kind``; the interface is in
+``archlab.model.core.residual``), with their options in ``model.residual.*``:
 
 ``attnres``
     Sources ``s_0`` = the token embedding and ``s_i`` = the raw output of sublayer ``i - 1``.
@@ -34,7 +35,8 @@ The norm is over the full width, then the query and normalised keys are cut into
 residual.heads`` slices: ``alpha^h_i = softmax_i(w[h] . RMSNorm(s_i)[h])`` and
 ``h[h] = sum_i alpha^h_i s_i[h]``. ``H = 1`` is AttnRes. Zero queries give a plain average.
 
-**State and buffers.** Each row group (primary rows, decode-branch rows) gets its own
+**State and buffers.** Each run over the layers (the primary rows; the decode branch's follower
+rows in training and prefill; primary and followers stacked in grouped decode) gets its own
 ``DepthState`` from ``start``; the module and its weights are shared. Routing is per position,
 over depth only, so cached decoding (``T = 1``) and branch-only steps need no extra cache.
 Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the device):
@@ -77,7 +79,7 @@ Two ways to hold the sources, chosen by ``residual.impl`` (resolved for the devi
   Inside a ``torch.compile``d model the buffered read is a graph break
   (``torch.compiler.disable``); the routing kernel itself still runs compiled or fused.
 
-**FLOPs** (``flops_per_token``; forward, per token, per row): a routing read over ``n`` sources
+**FLOPs** (``cost``; forward, per token, per row): a routing read over ``n`` sources
 counts ``7*n*d``: RMSNorm ``3*n*d`` (square-accumulate ``2nd``, scale ``nd``), logits ``2*n*d``
 (multiply-accumulate against ``query*gain``), weighted sum ``2*n*d``. The ``O(n*H)`` softmax and the
 ``O(d)`` ``query*gain`` product are not counted (the accounting convention skips softmaxes).
@@ -98,13 +100,19 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from archlab.config import ModelConfig
 from archlab.kernels.routing import resolve_impl, route
-from archlab.model.residual import ResidualStream, register_residual
+from archlab.model.core.context import Context
+from archlab.model.core.cost import Cost
+
+if TYPE_CHECKING:
+    from archlab.model.config import ModelConfig
+    from archlab.model.core.init import Init
+    from archlab.model.core.spec import LayerSpec
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config names; "auto" -> None
@@ -118,16 +126,16 @@ def block_bounds(n_sites: int, n_blocks: int) -> list[int]:
     return [(j * n_sites) // n_blocks for j in range(n_blocks + 1)]
 
 
-def attnres_blocks(cfg: ModelConfig) -> int:
+def attnres_blocks(cfg: "ModelConfig") -> int:
     s = 2 * cfg.n_layers
     return cfg.residual.blocks if 0 < cfg.residual.blocks < s else s
 
 
-def delta_groups(cfg: ModelConfig) -> int:
+def delta_groups(cfg: "ModelConfig") -> int:
     return cfg.residual.delta_groups or cfg.n_layers
 
 
-def read_source_counts(cfg: ModelConfig, n_blocks: int) -> list[int]:
+def read_source_counts(cfg: "ModelConfig", n_blocks: int) -> list[int]:
     """Number of sources of each of the ``2L + 1`` reads (sites 0..2L-1, then the final read)."""
     s = 2 * cfg.n_layers
     bounds = block_bounds(s, n_blocks)
@@ -228,7 +236,7 @@ class DepthState:
     #: buffered with autograd: the last read's token; the next read takes it (see ``_BufferedRoute``)
     token: Tensor | None = None
     p: Tensor | None = None  # delta: the standard stream
-    stream: int = 0  # index among the row groups of this forward (for recording)
+    stream: int = 0  # the run's row group (``ctx.rows.group``: 0 primary, 1 followers), for recording
     #: dtype reads are returned in when it differs from ``dtype`` (bf16 sources in an fp32 model
     #: without autocast); None: ``dtype``
     read_dtype: torch.dtype | None = None
@@ -266,10 +274,10 @@ class SourceBuffer:
 @functools.cache  # called by every read's backward; the import is looked up once
 def _triton_backward():
     try:
-        from archlab.kernels.routing_triton import _route_backward
+        from archlab.kernels.routing_triton import route_backward
     except ImportError:  # pragma: no cover - triton missing
         return None
-    return _route_backward
+    return route_backward
 
 
 def _tail_into_slot(store: SourceBuffer, n: int, tail: Tensor | None) -> int:
@@ -353,7 +361,7 @@ class _BufferedRoute(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def _buffered_route(stream: _DepthRouting, state: DepthState, query: Tensor, gain: Tensor,
+def _buffered_route(stream: DepthRouting, state: DepthState, query: Tensor, gain: Tensor,
                     ) -> tuple[Tensor, Tensor]:
     """Route over the buffered sources of ``state`` and its partial sum, writing pending sources first.
 
@@ -384,18 +392,18 @@ def _buffered_route(stream: _DepthRouting, state: DepthState, query: Tensor, gai
 
 @torch.compiler.disable
 def _without_dynamo(fn, *args):
-    """``fn(*args)``, run outside dynamo even inside a compiled model (see ``_DepthRouting.read``)."""
+    """``fn(*args)``, run outside dynamo even inside a compiled model (see ``DepthRouting.read``)."""
     return fn(*args)
 
 
 # ---- shared machinery -----------------------------------------------------------------------------
-class _DepthRouting(ResidualStream):
+class DepthRouting(nn.Module):
     """Sources, blocks, routing sites and recording shared by ``attnres`` and ``delta``."""
 
     first_label = "emb"
     unit_label = "block"
 
-    def __init__(self, cfg: ModelConfig, n_blocks: int):
+    def __init__(self, cfg: "ModelConfig", specs: "list[LayerSpec]", n_blocks: int):
         super().__init__()
         self.d = cfg.d_model
         self.n_layers = cfg.n_layers
@@ -415,13 +423,12 @@ class _DepthRouting(ResidualStream):
         #: else the embedding's (``residual.source_dtype`` in the config says why)
         self.source_dtype: torch.dtype | None = _DTYPES.get(cfg.residual.source_dtype)
         self.recorder: RoutingRecorder | None = None
-        self._starts = 0  # row groups started in this forward (recording only)
         n_reads = self.n_sites + 1
         self.queries = nn.ParameterList(nn.Parameter(torch.zeros(self.d)) for _ in range(n_reads))
         self.gains = nn.ParameterList(nn.Parameter(torch.ones(self.d)) for _ in range(n_reads))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        """Identity-style init regardless of ``std``: zero queries (uniform routing), unit gains."""
+    def init_parameters(self, init: "Init") -> None:
+        """Identity-style init whatever the init kind: zero queries (uniform routing), unit gains."""
         with torch.no_grad():
             for q in self.queries:
                 q.zero_()
@@ -465,7 +472,7 @@ class _DepthRouting(ResidualStream):
         buffered = self.buffered if self.buffered is not None else impl != "reference"
         return impl, buffered
 
-    def _new_state(self, x0: Tensor, first: Tensor) -> DepthState:
+    def _new_state(self, x0: Tensor, first: Tensor, ctx: Context) -> DepthState:
         """A state whose first source is ``first`` [M, d]."""
         impl, buffered = self._use_buffer(x0.device)
         autocast = torch.is_autocast_enabled(x0.device.type)
@@ -474,10 +481,7 @@ class _DepthRouting(ResidualStream):
             dtype = torch.get_autocast_dtype(x0.device.type) if autocast else x0.dtype
         state = DepthState(shape=x0.shape, dtype=dtype, device=x0.device, rows=first.shape[0], impl=impl,
                            buffered=buffered, read_dtype=None if autocast or dtype == x0.dtype else x0.dtype)
-        if self.recorder is not None:
-            # The model starts every row group before its first read: number them in order.
-            state.stream = self._starts
-            self._starts += 1
+        state.stream = ctx.rows.group
         self._complete(state, first)
         return state
 
@@ -506,8 +510,6 @@ class _DepthRouting(ResidualStream):
         query, gain = self.queries[site], self.gains[site]
         impl = state.impl
         want = self.recorder is not None
-        if want:
-            self._starts = 0  # the next start belongs to the next forward
         if state.buffered:
             out, weights = _buffered_route(self, state, query, gain)
             sources = None
@@ -556,9 +558,9 @@ class _DepthRouting(ResidualStream):
     def final(self, state: DepthState) -> Tensor:
         return self.read(state, self.n_sites)
 
-    # ---- accounting ---------------------------------------------------------------------------------
+    # ---- cost ---------------------------------------------------------------------------------------
     @staticmethod
-    def _read_flops(cfg: ModelConfig, n_blocks: int) -> int:
+    def _read_flops(cfg: "ModelConfig", n_blocks: int) -> int:
         d = cfg.d_model
         s = 2 * cfg.n_layers
         flops = sum(7 * n * d for n in read_source_counts(cfg, n_blocks))
@@ -567,15 +569,14 @@ class _DepthRouting(ResidualStream):
         return flops
 
 
-@register_residual("attnres")
-class AttnResResidual(_DepthRouting):
+class AttnResResidual(DepthRouting):
     """Full / block AttnRes with ``heads`` routing heads (MHAR); see the module docstring."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, attnres_blocks(cfg))
+    def __init__(self, cfg: "ModelConfig", specs: "list[LayerSpec]"):
+        super().__init__(cfg, specs, attnres_blocks(cfg))
 
-    def start(self, x0: Tensor) -> DepthState:
-        return self._new_state(x0, x0.reshape(-1, x0.shape[-1]))
+    def start(self, x0: Tensor, ctx: Context) -> DepthState:
+        return self._new_state(x0, x0.reshape(-1, x0.shape[-1]), ctx)
 
     def _read(self, state: DepthState, site: int) -> Tensor:
         return self._route(state, site).view(state.shape)
@@ -583,39 +584,35 @@ class AttnResResidual(_DepthRouting):
     def _write(self, state: DepthState, site: int, out: Tensor) -> None:
         self._accumulate(state, site, out)
 
-    @staticmethod
-    def param_count(cfg: ModelConfig) -> int:
-        return (2 * cfg.n_layers + 1) * 2 * cfg.d_model
-
-    @staticmethod
-    def flops_per_token(cfg: ModelConfig) -> int:
-        return _DepthRouting._read_flops(cfg, attnres_blocks(cfg))
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
+        return Cost(params=(2 * cfg.n_layers + 1) * 2 * cfg.d_model,
+                    flops=DepthRouting._read_flops(cfg, attnres_blocks(cfg)))
 
 
-@register_residual("delta")
-class DeltaResidual(_DepthRouting):
+class DeltaResidual(DepthRouting):
     """Standard stream plus a gated multi-head route over a null source and group deltas."""
 
     first_label = "null"
     unit_label = "group"
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, delta_groups(cfg))
+    def __init__(self, cfg: "ModelConfig", specs: "list[LayerSpec]"):
+        super().__init__(cfg, specs, delta_groups(cfg))
         self.null = nn.Parameter(torch.zeros(self.d))
         self.gates = nn.Parameter(torch.zeros(self.n_sites + 1))
 
     def _unit_name(self, j: int) -> str:
         return f"{self.unit_label}{j + 1}"
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        super().init_weights(std, out_std)
+    def init_parameters(self, init: "Init") -> None:
+        super().init_parameters(init)
         with torch.no_grad():
             self.null.zero_()
             self.gates.zero_()
 
-    def start(self, x0: Tensor) -> DepthState:
+    def start(self, x0: Tensor, ctx: Context) -> DepthState:
         rows = x0.numel() // x0.shape[-1]
-        state = self._new_state(x0, self.null.to(x0.dtype).expand(rows, self.d))
+        state = self._new_state(x0, self.null.to(x0.dtype).expand(rows, self.d), ctx)
         state.p = x0
         return state
 
@@ -627,11 +624,8 @@ class DeltaResidual(_DepthRouting):
         state.p = state.p + out
         self._accumulate(state, site, out)
 
-    @staticmethod
-    def param_count(cfg: ModelConfig) -> int:
-        return (2 * cfg.n_layers + 1) * (2 * cfg.d_model + 1) + cfg.d_model
-
-    @staticmethod
-    def flops_per_token(cfg: ModelConfig) -> int:
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
         reads = 2 * cfg.n_layers + 1
-        return _DepthRouting._read_flops(cfg, delta_groups(cfg)) + reads * 2 * cfg.d_model
+        return Cost(params=reads * (2 * cfg.d_model + 1) + cfg.d_model,
+                    flops=DepthRouting._read_flops(cfg, delta_groups(cfg)) + reads * 2 * cfg.d_model)

@@ -1,0 +1,64 @@
+"""What one run over the layer stack sees: positions, the KV cache, and how its rows relate.
+
+A run carries one activation tensor. Its rows are usually all *primary* rows: the baseline's
+sequences, which compute keys/values and write the cache. The ``rows`` slot (the decode branch)
+may add *follower* rows that share every weight but compute no keys/values of their own; it
+describes them with a ``Pass``, which the few components that care consult:
+
+* attention asks ``lead(n)``, how many leading rows compute keys/values (the rest only query);
+* coupling sites call ``tap(layer, name, x)`` (``q``, ``u``, ``m``), which lets followers read the
+  primary's activation at the same layer and position;
+* values that followers reuse instead of computing go through ``share(layer, name, x)``
+  (``kv``: the keys/values, ``experts``: MoE router replay).
+
+The plain pass answers "every row is primary" and returns its inputs unchanged, so a component
+written for the baseline works with the decode branch without knowing it exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+
+class Pass:
+    """The plain pass: every row is primary; taps and shares return their input."""
+
+    #: which group of rows this pass runs (0: primary rows, 1: followers), for diagnostics that
+    #: tell a forward's row groups apart (routing probes)
+    group = 0
+
+    def lead(self, rows: int) -> int:
+        """How many leading rows of an ``rows``-row activation are primary rows."""
+        return rows
+
+    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
+        return x
+
+    def share(self, layer: int, name: str, value: Any) -> Any:
+        return value
+
+
+PLAIN = Pass()
+
+
+@dataclass
+class Context:
+    """One run's positions, cache and row layout.
+
+    Without a cache: causal self-attention over the sequence (training, evaluation).
+    With a cache: new keys/values are written at ``input_pos`` (slots, shared by the batch) and
+    queries attend to every slot allowed by ``mask`` ([B, 1, T, S] boolean).
+    """
+
+    rope: Any  # position tables from the position slot (head_dim -> (cos, sin) for RoPE)
+    cache: Any = None  # a KVCache
+    input_pos: Tensor | None = None
+    mask: Tensor | None = None
+    rows: Pass = PLAIN
+    aux_losses: list[Tensor] = field(default_factory=list)  # training-only losses (MoE balance)
+
+    def add_aux_loss(self, loss: Tensor) -> None:
+        self.aux_losses.append(loss)

@@ -1,0 +1,169 @@
+"""The one model: a pre-norm Llama-style decoder whose variants fill slots, not copies of it.
+
+    x = E1[idx]
+    for each layer:  x = x + Attn(Norm(x));  x = x + FFN(Norm(x))      (the residual stream)
+    logits = W_out Norm(x)
+
+Every piece is the kind a config chooses for its slot (``archlab.model.registry``): the layer
+shapes (``heads``, ``width``), the positions, the norms, the init, the FFN, the residual stream,
+the layer schedule, and the rows (the decode branch adds follower rows and its readout). This
+file names no variant.
+
+Cached inference runs through ``prefill``/``decode``, which the rows kind arranges (the decode
+branch runs its first follower row inside the prefill and stacks primary and follower rows in
+every decode step); both return the readout's log-probabilities of the next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from archlab.model import registry
+from archlab.model.config import ModelConfig
+from archlab.model.core.context import Context
+from archlab.model.core.layers import Attention, KVCache
+from archlab.model.core.spec import LayerSpec, layer_specs, layer_visits
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # primary logits [B, T, V]
+    #: logits of the rows kind's follower rows (the decode branch: [n_branches, B, T, V]), or None
+    extra_logits: Tensor | None = None
+    loss: Tensor | None = None  # training objective (NLL + auxiliary losses)
+    nll: Tensor | None = None  # the readout's negative log-likelihood alone
+    aux_loss: Tensor | None = None
+
+
+class Block(nn.Module):
+    """One layer: attention and FFN sublayers with their norm sites. A rows kind may add its own
+    per-layer parameters (``attach_block``): they come after the block's own."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, norms: nn.Module, ffn: type):
+        super().__init__()
+        self.layer = spec.layer
+        self.attn_norm = norms.site(spec, "attn_in", spec.d)
+        self.attn = Attention(spec)
+        self.attn_out_norm = norms.site(spec, "attn_out", spec.d)
+        self.mlp_norm = norms.site(spec, "mlp_in", spec.d)
+        self.mlp = ffn(cfg, spec)
+        self.mlp_out_norm = norms.site(spec, "mlp_out", spec.d)
+
+    def init_parameters(self, init) -> None:
+        for child in self.children():
+            child.init_parameters(init)
+
+    def attention(self, h: Tensor, ctx: Context) -> Tensor:
+        out = self.attn(self.attn_norm(h), ctx)
+        return out if self.attn_out_norm is None else self.attn_out_norm(out)
+
+    def feed_forward(self, h: Tensor, ctx: Context) -> Tensor:
+        out = self.mlp(self.mlp_norm(h), ctx)
+        if self.mlp_out_norm is not None:
+            out = self.mlp_out_norm(out)
+        return ctx.rows.tap(self.layer, "m", out)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        kinds = registry.chosen(cfg)
+        self.specs = layer_specs(cfg)
+        self.visits = layer_visits(cfg)
+        # Construction order is part of reproducibility: modules draw their default init from the
+        # global RNG as they are built, and the parameter order fixes the optimizer's and the
+        # gradient-norm reduction's order. Embeddings, rows, residual, layers, final norm, head.
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rows = kinds["rows"].load()(cfg)
+        self.rows.attach_embeddings(self)
+        self.position = kinds["position"].load()(cfg, self.specs)
+        self.norms = kinds["norm"].load()(cfg)
+        self.init_scheme = kinds["init"].load()(cfg)
+        self.residual = kinds["residual"].load()(cfg, self.specs)
+        ffn = kinds["ffn"].load()
+        self.layers = nn.ModuleList()
+        for spec in self.specs:
+            block = Block(cfg, spec, self.norms, ffn)
+            self.rows.attach_block(block, spec)
+            self.layers.append(block)
+        self.norm = self.norms.site(None, "final", cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    # ---- initialisation ----------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Every component initialises its own parameters through the init kind, in build order."""
+        init = self.init_scheme
+        init.embedding(self.tok_emb.weight)
+        self.rows.init_parameters(self, init)
+        if hasattr(self.norms, "init_parameters"):
+            self.norms.init_parameters(init)
+        self.residual.init_parameters(init)
+        for block in self.layers:
+            block.init_parameters(init)
+        self.norm.init_parameters(init)
+        init.linear(self.lm_head.weight, role="head")  # tied: the table's final value is this draw
+
+    # ---- one run over the layers -------------------------------------------------------------
+    def run(self, x: Tensor, ctx: Context) -> Tensor:
+        """Embedded rows [R, T, d] through the layer schedule; the final-normed hidden state."""
+        state = self.residual.start(x, ctx)
+        for layer in self.visits:
+            block = self.layers[layer]
+            site = 2 * layer
+            state = self.residual.write(state, site, block.attention(self.residual.read(state, site), ctx))
+            state = self.residual.write(state, site + 1, block.feed_forward(self.residual.read(state, site + 1), ctx))
+        return self.norm(self.residual.final(state))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    # ---- training / evaluation ----------------------------------------------------------------
+    def forward(self, idx: Tensor, targets: Tensor | None = None, followers: bool = True) -> ModelOutput:
+        """Full causal forward over [B, T] tokens; with targets, the readout's loss.
+        ``followers=False`` runs the primary rows alone (the baseline's function)."""
+        ctx = Context(rope=self.position.tables(idx.shape[1]))
+        logits, extra = self.rows(self, idx, ctx, followers=followers)
+        out = ModelOutput(logits=logits, extra_logits=extra)
+        out.aux_loss = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
+        if targets is not None:
+            out.nll = self.rows.nll(logits, extra, targets)
+            out.loss = out.nll if out.aux_loss is None else out.nll + out.aux_loss
+        return out
+
+    def log_probs(self, out: ModelOutput) -> Tensor:
+        """The model's prediction (the rows kind's readout) as log-probabilities [B, T, V]."""
+        return self.rows.log_probs(out.logits, out.extra_logits)
+
+    # ---- cached inference ---------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
+        shapes = [(s.n_kv_heads, s.head_dim) for s in self.specs]
+        ref = self.lm_head.weight
+        return KVCache(shapes, batch, max_len, device or ref.device, dtype or ref.dtype)
+
+    def cached_context(self, cache: KVCache, input_pos: Tensor, rope_pos: Tensor, key_valid: Tensor) -> Context:
+        """A run writing the cache at slots ``input_pos`` [T] (shared by the batch), with RoPE
+        positions ``rope_pos`` [B, T]; ``key_valid`` [B, S] marks slots holding real tokens (left
+        padding is False)."""
+        slots = torch.arange(cache.max_len, device=input_pos.device)
+        causal = slots[None, :] <= input_pos[:, None]  # [T, S]
+        own = slots[None, :] == input_pos[:, None]  # a padded query still sees itself: no empty rows
+        mask = (causal[None] & key_valid[:, None, :]) | own[None]
+        return Context(rope=self.position.tables(rope_pos), cache=cache, input_pos=input_pos, mask=mask[:, None])
+
+    def prefill(self, idx: Tensor, cache: KVCache, input_pos: Tensor, rope_pos: Tensor,
+                key_valid: Tensor) -> Tensor:
+        """Run prompts [B, S] into the cache; log-probabilities of the next token [B, V]."""
+        return self.rows.prefill(self, idx, self.cached_context(cache, input_pos, rope_pos, key_valid))
+
+    def decode(self, idx: Tensor, cache: KVCache, input_pos: Tensor, rope_pos: Tensor,
+               key_valid: Tensor) -> Tensor:
+        """One new token per sequence [B, 1]; log-probabilities of the next token [B, V]."""
+        return self.rows.decode(self, idx, self.cached_context(cache, input_pos, rope_pos, key_valid))

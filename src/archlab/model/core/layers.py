@@ -1,0 +1,261 @@
+"""The baseline's layers: RMSNorm sites, RoPE, the static KV cache and grouped-query attention.
+
+Each is the core kind of a slot (``norm: rmsnorm``, ``position: rope``) or the attention every
+layer has; each initialises its own parameters (``init_parameters``) and states its own cost
+(``cost``). Attention is where the decode branch's follower rows differ (``Context.rows``): they
+query with the shared ``W_Q`` but compute no keys/values, reading the primary's instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from archlab.model.core.context import Context
+from archlab.model.core.cost import Cost
+
+if TYPE_CHECKING:
+    from archlab.model.config import ModelConfig
+    from archlab.model.core.init import Init
+    from archlab.model.core.spec import LayerSpec
+
+# enable_gqa arrived in torch 2.5; older versions get the keys/values repeated per query head.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+# ---- norms ---------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32: bf16 sums of squares lose too much at large widths.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+    def init_parameters(self, init: "Init") -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+
+class RMSNormSites(nn.Module):
+    """The ``norm`` slot's core kind: an RMSNorm with its own gain before each sublayer and before
+    the unembedding; nothing at the sublayer outputs.
+
+    A norm kind builds the module of each site: ``attn_in``, ``mlp_in`` (the pre-norms),
+    ``attn_out``, ``mlp_out`` (after a sublayer, before the residual; None here) and ``final``.
+    It is itself a module of the model, so a kind that shares parameters across sites holds them.
+    """
+
+    SITES = ("attn_in", "attn_out", "mlp_in", "mlp_out", "final")
+
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        self.eps = cfg.norm_eps
+
+    def site(self, spec: "LayerSpec | None", name: str, width: int) -> nn.Module | None:
+        if name in ("attn_out", "mlp_out"):
+            return None
+        return RMSNorm(width, self.eps)
+
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", name: str, width: int) -> Cost:
+        return Cost() if name in ("attn_out", "mlp_out") else Cost(params=width)
+
+
+# ---- positions -----------------------------------------------------------------------------------
+def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape [*positions.shape, head_dim/2] in fp32."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.to(torch.float32)[..., None] * inv
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved-free halves (the Llama/HF convention) of x [B, H, T, hd].
+
+    cos/sin are [T, hd/2] (shared positions) or [B, T, hd/2] (per-row positions); an ``x`` with a
+    multiple of B rows (follower rows stacked after the primary's) repeats them.
+    """
+    if cos.dim() == 2:
+        cos, sin = cos[None, None], sin[None, None]
+    else:
+        if cos.shape[0] != x.shape[0]:
+            reps = x.shape[0] // cos.shape[0]
+            cos, sin = cos.repeat(reps, 1, 1), sin.repeat(reps, 1, 1)
+        cos, sin = cos[:, None], sin[:, None]
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+class RopeTables(dict):
+    """cos/sin per head dim for the positions of one run; ``rotate`` applies them."""
+
+    def rotate(self, x: Tensor, head_dim: int) -> Tensor:
+        cos, sin = self[head_dim]
+        return apply_rope(x, cos, sin)
+
+    def tail(self, t: int) -> "RopeTables":
+        """The tables of the last ``t`` positions (of every row)."""
+        return RopeTables({hd: (cos[..., -t:, :], sin[..., -t:, :]) for hd, (cos, sin) in self.items()})
+
+
+class RoPE(nn.Module):
+    """The ``position`` slot's core kind: rotary embeddings (theta ``rope_theta``) per head dim."""
+
+    def __init__(self, cfg: "ModelConfig", specs: "list[LayerSpec]"):
+        super().__init__()
+        self.max_seq_len = cfg.max_seq_len
+        self.head_dims = sorted({s.head_dim for s in specs})
+        # cos/sin for every position up to max_seq_len, computed once. Computed inside the forward
+        # instead, torch.compile fuses the arange/pow/cos/sin into every rotation kernel and
+        # evaluates the transcendentals per element of q and k, in forward and backward: about a
+        # quarter of a 124m training step on an H200 (docs/benchmarks.md).
+        positions = torch.arange(cfg.max_seq_len)
+        for hd in self.head_dims:
+            cos, sin = rope_tables(hd, positions, cfg.rope_theta)
+            self.register_buffer(f"cos_{hd}", cos, persistent=False)
+            self.register_buffer(f"sin_{hd}", sin, persistent=False)
+
+    def tables(self, positions: Tensor | int) -> RopeTables:
+        """For positions ``0..positions-1`` (an int) or at the given positions (a tensor)."""
+        out = RopeTables()
+        for hd in self.head_dims:
+            cos, sin = getattr(self, f"cos_{hd}"), getattr(self, f"sin_{hd}")
+            if isinstance(positions, int):
+                if positions > self.max_seq_len:
+                    raise ValueError(f"sequence of {positions} tokens exceeds model.max_seq_len={self.max_seq_len}")
+                out[hd] = (cos[:positions], sin[:positions])
+            else:
+                out[hd] = (cos[positions], sin[positions])
+        return out
+
+
+# ---- attention -----------------------------------------------------------------------------------
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads (k/v may have fewer heads)."""
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+class KVCache(nn.Module):
+    """Static per-layer key/value buffers [B, kv_heads, max_len, head_dim] (gpt-fast style)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], batch: int, max_len: int, device, dtype):
+        super().__init__()
+        self.max_len = max_len
+        self.batch = batch
+        for i, (kvh, hd) in enumerate(shapes):
+            self.register_buffer(f"k{i}", torch.zeros(batch, kvh, max_len, hd, device=device, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(batch, kvh, max_len, hd, device=device, dtype=dtype),
+                                 persistent=False)
+        self.n_layers = len(shapes)
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"k{i}"), getattr(self, f"v{i}")
+
+    def write(self, i: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        kc, vc = self.layer(i)
+        kc.index_copy_(2, input_pos, k.to(kc.dtype))
+        vc.index_copy_(2, input_pos, v.to(vc.dtype))
+        return kc, vc
+
+
+class Attention(nn.Module):
+    """GQA self-attention with one fused [q; k; v] projection; follower rows query only."""
+
+    def __init__(self, spec: "LayerSpec"):
+        super().__init__()
+        self.layer = spec.layer
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
+        # One fused [q; k; v] projection: one matmul for primary rows. Follower rows use only its
+        # query rows (they compute no keys/values).
+        self.wqkv = nn.Linear(spec.d, self.q_dim + 2 * self.kv_dim, bias=False)
+        self.wo = nn.Linear(self.q_dim, spec.d, bias=False)
+
+    def init_parameters(self, init: "Init") -> None:
+        init.linear(self.wqkv.weight, role="in")
+        init.linear(self.wo.weight, role="out")
+
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", spec: "LayerSpec") -> Cost:
+        params = spec.d * (2 * spec.q_dim + 2 * spec.kv_dim)
+        return Cost(params=params, flops=2 * params, flops_follower=2 * (params - 2 * spec.d * spec.kv_dim),
+                    score_flops_per_key=4 * spec.q_dim, kv_elems=2 * spec.kv_dim)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        rows = x.shape[0]
+        lead = ctx.rows.lead(rows)
+        w = self.wqkv.weight
+        k = v = None
+        if lead == rows:
+            q, k, v = self.wqkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        else:  # followers: queries from the shared W_Q, no keys/values of their own
+            q = F.linear(x, w[: self.q_dim])
+            if lead:  # grouped decode: every weight row is read once for all rows
+                k, v = F.linear(x[:lead], w[self.q_dim:]).split(self.kv_dim, dim=-1)
+        q = ctx.rows.tap(self.layer, "q", q)
+        q = ctx.rope.rotate(self._heads(q, self.n_heads), self.head_dim)
+        if k is not None:
+            k = ctx.rope.rotate(self._heads(k, self.n_kv_heads), self.head_dim)
+            v = self._heads(v, self.n_kv_heads)
+            if ctx.cache is not None:
+                k, v = ctx.cache.write(self.layer, ctx.input_pos, k, v)
+        elif ctx.cache is not None:
+            k, v = ctx.cache.layer(self.layer)
+        k, v = ctx.rows.share(self.layer, "kv", (k, v) if k is not None else None)
+        o = self._attend(q, k, v, ctx, lead)
+        return self.wo(o.transpose(1, 2).reshape(rows, o.shape[2], self.q_dim))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
+        """Attention of every row of ``q`` [R, H, T, hd]; rows past ``lead`` are followers of
+        sequence ``row % batch``, which see the same keys/values and mask as that sequence."""
+        batch, t = k.shape[0], q.shape[2]
+        if ctx.cache is None:
+            # Causal over the sequence; a follower row at t sees its sequence's K/V at <= t, which
+            # is the same lower-triangular mask as the primary's own.
+            parts = []
+            if lead:
+                parts.append(sdpa(q[:lead], k, v, causal=True))
+            if q.shape[0] > lead:
+                reps = (q.shape[0] - lead) // batch
+                kf, vf = (k, v) if reps == 1 else (k.repeat(reps, 1, 1, 1), v.repeat(reps, 1, 1, 1))
+                parts.append(sdpa(q[lead:], kf, vf, causal=True))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        # Cached: fold follower rows into the query-time axis so that every row of a sequence
+        # reads that sequence's cache once, in one attention call with the primary rows.
+        folded = []
+        if lead:
+            folded.append(q[:lead])
+        reps = (q.shape[0] - lead) // batch
+        if reps:
+            qf = q[lead:].view(reps, batch, *q.shape[1:]).permute(1, 2, 0, 3, 4)
+            folded.append(qf.reshape(batch, q.shape[1], reps * t, q.shape[3]))
+        q_all = torch.cat(folded, dim=2) if len(folded) > 1 else folded[0]
+        n = q_all.shape[2] // t
+        o = sdpa(q_all, k, v, mask=ctx.mask.repeat(1, 1, n, 1) if n > 1 else ctx.mask)
+        out = []
+        if lead:
+            out.append(o[:, :, :t])
+        if reps:
+            of = o[:, :, t if lead else 0:].view(batch, q.shape[1], reps, t, q.shape[3]).permute(2, 0, 1, 3, 4)
+            out.append(of.reshape(reps * batch, q.shape[1], t, q.shape[3]))
+        return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,0 +1,69 @@
+"""The ``rows`` slot: which rows a token runs through the layers, and the readout of their logits.
+
+The core kind, ``primary``, runs one row per token (the baseline) and reads out
+``softmax(logits)``. A rows kind (the decode branch, ``archlab.model.variants.branch``) adds
+follower rows and owns everything about them: their embeddings (``attach_embeddings``), their
+per-layer parameters (``attach_block``), how the passes over the layers are arranged in training,
+prefill and decode, and the readout. Every consumer of a model's predictions (generation,
+evaluation, conversion checks, the engine) calls ``log_probs``/``nll`` and never sees the rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from archlab.model.core.context import Context
+from archlab.model.core.cost import Cost
+
+if TYPE_CHECKING:
+    from archlab.model.config import ModelConfig
+    from archlab.model.core.decoder import Block, Transformer
+    from archlab.model.core.init import Init
+    from archlab.model.core.spec import LayerSpec
+
+
+class PrimaryRows(nn.Module):
+    """One row per token; the prediction is the softmax of its logits."""
+
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        self.cfg = cfg
+
+    # ---- building -------------------------------------------------------------------------------
+    def attach_embeddings(self, model: "Transformer") -> None:
+        """Add embedding tables to ``model`` (called right after the token embedding)."""
+
+    def attach_block(self, block: "Block", spec: "LayerSpec") -> None:
+        """Add per-layer parameters to ``block`` (called after it is built)."""
+
+    def init_parameters(self, model: "Transformer", init: "Init") -> None:
+        """Initialise what ``attach_embeddings`` added (``attach_block``'s: through the block)."""
+
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
+        return Cost()
+
+    # ---- running --------------------------------------------------------------------------------
+    def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True
+                ) -> tuple[Tensor, Tensor | None]:
+        """(primary logits [B, T, V], extra logits or None) of a full causal forward."""
+        return model.logits(model.run(model.tok_emb(idx), ctx)), None
+
+    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+        """Run the prompt (writing the cache); log-probabilities of the next token [B, V]."""
+        hidden = model.run(model.tok_emb(idx), ctx)
+        return self.log_probs(model.logits(hidden[:, -1:]), None)[:, 0]
+
+    def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+        """One token per sequence ([B, 1]); log-probabilities of the next token [B, V]."""
+        return self.prefill(model, idx, ctx)
+
+    # ---- the readout ----------------------------------------------------------------------------
+    def log_probs(self, logits: Tensor, extra: Tensor | None) -> Tensor:
+        return F.log_softmax(logits.float(), dim=-1)
+
+    def nll(self, logits: Tensor, extra: Tensor | None, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

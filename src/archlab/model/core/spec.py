@@ -1,0 +1,98 @@
+"""Per-layer specs: the sizes every component of one layer is built from.
+
+``layer_specs(cfg)`` asks the ``width`` slot for each layer's width and the ``heads`` slot for its
+attention heads, so the modules, the accounting and the KV cache read one list instead of
+recomputing a schedule each. Torch-free: ``archlab info`` and the lab's budgets use it too.
+
+The core's kinds of the three layer-shape slots live here: ``uniform`` heads (the config's
+``n_heads``/``n_kv_heads``/``head_dim``, or the per-layer ``layer_heads`` list at fixed width, the
+query-per-KV group kept), ``uniform`` width and the ``sequential`` layer schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from archlab.typed import round_up
+
+if TYPE_CHECKING:
+    from archlab.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    layer: int
+    d: int  # the layer's width (its sublayers read and write d-wide vectors)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int  # the dense FFN hidden size at this width
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+class UniformWidth:
+    """Every layer at ``d_model``."""
+
+    def __init__(self, cfg: "ModelConfig") -> None:
+        self.cfg = cfg
+
+    def widths(self) -> list[int]:
+        return [self.cfg.d_model] * self.cfg.n_layers
+
+    def hidden(self, width: int) -> int:
+        """The FFN hidden size at ``width``: ``ffn_hidden`` or 8/3 of the width (multiple of 64)."""
+        if self.cfg.ffn_hidden and width == self.cfg.d_model:
+            return self.cfg.ffn_hidden
+        return round_up(int(8 * width / 3), 64)
+
+
+class UniformHeads:
+    """``n_heads`` x ``head_dim`` everywhere, or ``layer_heads[l]`` heads of width ``d / heads``."""
+
+    def __init__(self, cfg: "ModelConfig") -> None:
+        self.cfg = cfg
+
+    def heads(self, layer: int, width: int) -> tuple[int, int, int]:
+        cfg = self.cfg
+        if cfg.layer_heads is None:
+            return cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+        h = cfg.layer_heads[layer]
+        group = cfg.n_heads // cfg.kv_heads
+        return h, max(1, h // group), width // h
+
+
+class Sequential:
+    """Every layer once, in order."""
+
+    def __init__(self, cfg: "ModelConfig") -> None:
+        self.cfg = cfg
+
+    def visits(self) -> list[int]:
+        return list(range(self.cfg.n_layers))
+
+
+def _slot(cfg: "ModelConfig", slot: str):
+    return cfg.variant(slot).load()(cfg)
+
+
+def layer_specs(cfg: "ModelConfig") -> list[LayerSpec]:
+    width = _slot(cfg, "width")
+    heads = _slot(cfg, "heads")
+    specs = []
+    for layer, d in enumerate(width.widths()):
+        h, kvh, hd = heads.heads(layer, d)
+        specs.append(LayerSpec(layer=layer, d=d, n_heads=h, n_kv_heads=kvh, head_dim=hd, hidden=width.hidden(d)))
+    return specs
+
+
+def layer_visits(cfg: "ModelConfig") -> list[int]:
+    """Layer indices in the order a forward pass runs them (the ``schedule`` slot)."""
+    return _slot(cfg, "schedule").visits()

@@ -1,0 +1,194 @@
+"""The decode branch's rows: embedding ``E2``, coupling, and how the passes are arranged.
+
+Follower ("branch") rows share every weight but their embedding, query the primary's keys and
+values and write none; at three coupling sites per layer they add a learned multiple of the
+primary row's activation at the same layer and position (``q``, the MLP hidden ``u`` and the MLP
+output ``m``; zero-initialised vectors ``a``, ``b``, ``c``).
+
+Three arrangements, one per use:
+
+* **training / evaluation** (``forward``): the primary rows run first, alone, as the baseline
+  does (so their computation is bitwise the baseline's); a ``RecordPass`` pass keeps what followers
+  read (coupling sources, keys/values, MoE expert choices). The follower rows then run through the
+  same layers under a ``FollowPass`` pass. Rows are branch-major: row ``r*B + b`` is branch ``r`` of
+  sequence ``b``.
+* **prefill**: the primary rows run the prompt and write the cache; the follower rows of the last
+  prompt position then run in the same call, coupled to the recorded primary activations at that
+  position, attending to the cache.
+* **decode** (grouped decode): primary and follower rows of the new token are stacked into one
+  activation (``GroupedPass``): every weight is read once for all rows, keys/values are computed
+  from the primary rows only, and every row of a sequence reads that sequence's cache in one
+  attention call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from archlab.model.core.context import Context, Pass
+from archlab.model.core.cost import Cost
+from archlab.model.core.rows import PrimaryRows
+from archlab.model.variants.branch.readout import readout_log_probs, readout_nll
+
+if TYPE_CHECKING:
+    from archlab.model.config import ModelConfig
+    from archlab.model.core.decoder import Block, Transformer
+    from archlab.model.core.init import Init
+    from archlab.model.core.spec import LayerSpec
+
+_COUPLING_SITES = {"q": "couple_q", "u": "couple_u", "m": "couple_m"}
+
+
+class Coupling(nn.Module):
+    """``t <- t + a * src`` per branch, ``a`` [n_branches, dim] (zero-initialised: uncoupled)."""
+
+    def __init__(self, n_branches: int, dim: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(n_branches, dim))
+
+    def init_parameters(self, init: "Init") -> None:
+        with torch.no_grad():
+            self.a.zero_()
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        reps, b = self.a.shape[0], src.shape[0]
+        t = tgt.view(reps, b, *tgt.shape[1:]) + self.a[:, None, None, :] * src[None]
+        return t.reshape(tgt.shape)
+
+
+def _coupling(blocks: nn.ModuleList, layer: int, name: str) -> Coupling | None:
+    attr = _COUPLING_SITES.get(name)
+    return getattr(blocks[layer], attr, None) if attr is not None else None
+
+
+class RecordPass(Pass):
+    """Primary rows whose followers run afterwards: keep what the followers read."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[int, str], Any] = {}
+
+    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
+        self.values[(layer, name)] = x
+        return x
+
+    def share(self, layer: int, name: str, value: Any) -> Any:
+        self.values[(layer, name)] = value
+        return value
+
+
+class FollowPass(Pass):
+    """Follower rows only, after a ``RecordPass`` pass over their sequences' primary rows. The
+    followers may cover the last ``t`` positions only (prefill): coupling sources are sliced."""
+
+    group = 1
+
+    def __init__(self, blocks: nn.ModuleList, record: RecordPass) -> None:
+        self.blocks, self.record = blocks, record
+
+    def lead(self, rows: int) -> int:
+        return 0
+
+    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
+        couple = _coupling(self.blocks, layer, name)
+        if couple is None:
+            return x
+        src = self.record.values[(layer, name)]
+        return couple(src[:, src.shape[1] - x.shape[1]:], x)
+
+    def share(self, layer: int, name: str, value: Any) -> Any:
+        return self.record.values[(layer, name)] if value is None else value
+
+
+class GroupedPass(Pass):
+    """Primary rows (the first ``batch``) and their followers stacked in one activation."""
+
+    def __init__(self, blocks: nn.ModuleList, batch: int) -> None:
+        self.blocks, self.batch = blocks, batch
+
+    def lead(self, rows: int) -> int:
+        return self.batch
+
+    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
+        couple = _coupling(self.blocks, layer, name)
+        if couple is None:
+            return x
+        p, f = x[: self.batch], x[self.batch:]
+        return torch.cat([p, couple(p, f)])
+
+
+class BranchRows(PrimaryRows):
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__(cfg)
+        self.br = cfg.branch
+        self.n_branches = cfg.branch.n_branches
+        self.coupled = cfg.branch.coupling
+
+    # ---- building -------------------------------------------------------------------------------
+    def attach_embeddings(self, model: "Transformer") -> None:
+        # E2: one table per branch, stacked [n_branches * V, d]
+        model.branch_emb = nn.Embedding(self.n_branches * model.cfg.vocab_size, model.cfg.d_model)
+
+    def attach_block(self, block: "Block", spec: "LayerSpec") -> None:
+        if not self.coupled:
+            return
+        block.couple_q = Coupling(self.n_branches, spec.q_dim)
+        width = type(block.mlp).coupling_width(self.cfg, spec)
+        block.couple_u = Coupling(self.n_branches, width) if width else None
+        block.couple_m = Coupling(self.n_branches, spec.d)
+
+    def init_parameters(self, model: "Transformer", init: "Init") -> None:
+        init.embedding(model.branch_emb.weight)
+
+    @classmethod
+    def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
+        r = cfg.branch.followers()
+        embed = r * cfg.vocab_size * cfg.d_model
+        coupling = 0
+        if cfg.branch.coupling:
+            ffn = cfg.variant("ffn").load()
+            coupling = r * sum(s.q_dim + ffn.coupling_width(cfg, s) + s.d for s in specs)
+        return Cost(params=embed + coupling, follower_only=embed + coupling, embedding=embed)
+
+    def embed(self, model: "Transformer", idx: Tensor) -> Tensor:
+        """Follower rows for tokens ``idx`` [B, T]: [n_branches * B, T, d], branch-major."""
+        offsets = torch.arange(self.n_branches, device=idx.device) * model.cfg.vocab_size
+        return model.branch_emb((idx[None] + offsets[:, None, None]).flatten(0, 1))
+
+    # ---- running --------------------------------------------------------------------------------
+    def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True
+                ) -> tuple[Tensor, Tensor | None]:
+        if not followers:
+            return super().forward(model, idx, ctx)
+        record = RecordPass()
+        primary = model.logits(model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record)))
+        follow = dataclasses.replace(ctx, rows=FollowPass(model.layers, record))
+        branch = model.logits(model.run(self.embed(model, idx), follow))
+        return primary, branch.view(self.n_branches, *primary.shape)
+
+    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+        record = RecordPass()
+        hidden = model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record))
+        primary = model.logits(hidden[:, -1:])
+        # The first follower row: the last prompt position, in the same call.
+        last = dataclasses.replace(ctx, rope=ctx.rope.tail(1), input_pos=ctx.input_pos[-1:],
+                                   mask=ctx.mask[:, :, -1:], rows=FollowPass(model.layers, record))
+        branch = model.logits(model.run(self.embed(model, idx[:, -1:]), last))
+        return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
+
+    def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+        b = idx.shape[0]
+        x = torch.cat([model.tok_emb(idx), self.embed(model, idx)])
+        logits = model.logits(model.run(x, dataclasses.replace(ctx, rows=GroupedPass(model.layers, b))))
+        primary, branch = logits[:b], logits[b:]
+        return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
+
+    # ---- the readout ----------------------------------------------------------------------------
+    def log_probs(self, logits: Tensor, extra: Tensor | None) -> Tensor:
+        return readout_log_probs(logits, extra, self.br)
+
+    def nll(self, logits: Tensor, extra: Tensor | None, targets: Tensor) -> Tensor:
+        return readout_nll(logits, extra, targets, self.br)
