@@ -63,7 +63,8 @@ def test_shard_of_ff_bytes_is_a_data_error_not_an_index_error(data_copy: Path) -
                         r"`archlab data prepare")
     # a manifest that records those very bytes: the hash passes, the id check still refuses
     manifest = json.loads((data_copy / "manifest.json").read_text())
-    manifest["splits"]["val"]["shards"][0]["sha256"] = integrity.digest_shard(shard, np.dtype("uint16")).sha256
+    found = integrity.digest_shard(shard, np.dtype("uint16"))
+    manifest["splits"]["val"]["shards"][0]["sha256"] = found.sha256
     (data_copy / "manifest.json").write_text(json.dumps(manifest))
     _refused(data_copy, rf"^shard {shard}: it holds token id 65535, outside the vocabulary of 512 "
                         r"\(ids 0\.\.511\), although its sha256 matches manifest.json")

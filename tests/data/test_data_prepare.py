@@ -29,7 +29,8 @@ def test_manifest_describes_the_shards(stdlib_dir: Path) -> None:
     assert m["sources"] == [{"spec": "stdlib", "fmt": "stdlib", "path": str(STDLIB),
                              "max_bytes": 300_000, "python": platform.python_version(),
                              "excluded_dirs": ["__pycache__", "idle_test", "site-packages", "test",
-                                               "tests", "config-*"]}]
+                                               "tests", "config-*"],
+                             "encoding": "utf-8", "replaced_bytes": 0}]
     assert m["split"]["seed"] == 0 and m["split"]["val_frac"] == 0.1
     tokenizer_bytes = (stdlib_dir / "tokenizer.json").read_bytes()
     assert m["tokenizer"]["sha256"] == hashlib.sha256(tokenizer_bytes).hexdigest()

@@ -79,7 +79,8 @@ def digest_shard(path: Path, dtype: np.dtype) -> ShardDigest:
 
 
 def verify_shards(directory: Path, shards: list[ShardRecord], dtype: np.dtype, vocab_size: int,
-                  use_cache: bool = True, prepare_hint: str = "re-run `archlab data prepare`") -> Verification:
+                  use_cache: bool = True,
+                  prepare_hint: str = "re-run `archlab data prepare`") -> Verification:
     """Check every shard's sha256 against the manifest and its token ids against ``vocab_size``.
 
     With ``use_cache``, shards whose file state matches ``VERIFY_FILE`` are not read again;

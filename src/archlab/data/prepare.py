@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
+from archlab.data.decoding import DEFAULT_ENCODING, text_bytes
 from archlab.data.sources import open_source
 from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
 from archlab.errors import DataError
@@ -83,18 +84,20 @@ def prepare(
     split: str = "train",
     overwrite: bool = False,
     progress: ProgressFn | None = None,
+    encoding: str = DEFAULT_ENCODING,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into ``out_dir`` and return the manifest that was written.
 
-    ``source``/``fmt``/``field``/``split``/``max_bytes`` choose the corpus (see
+    ``source``/``fmt``/``field``/``split``/``max_bytes``/``encoding`` choose the corpus (see
     :func:`archlab.data.sources.open_source`; ``max_bytes=None`` means 8 MB for ``stdlib`` and
-    everything otherwise, 0 means no limit). ``seed`` and ``val_frac`` decide the document-level
-    split. An ``out_dir`` that already holds prepared data is replaced only with
+    everything otherwise, 0 means no limit). Bytes that do not decode in ``encoding`` are
+    replaced and counted in the manifest's ``sources`` entry (``replaced_bytes``). ``seed`` and
+    ``val_frac`` decide the document-level split. An ``out_dir`` that already holds prepared data is replaced only with
     ``overwrite=True``; a non-empty directory that is not prepared data is never touched.
 
     ``source`` may also be a source object (see :class:`DocumentSource`), e.g. from
     :func:`archlab.data.recipes.open_recipe`; it carries its own format, limit and provenance,
-    so ``fmt``/``field``/``split``/``max_bytes`` must then keep their defaults.
+    so ``fmt``/``field``/``split``/``max_bytes``/``encoding`` must then keep their defaults.
     """
     started = time.perf_counter()
     _check_args(vocab_size, val_frac, seed, shard_tokens)
@@ -102,11 +105,11 @@ def prepare(
     _check_destination(out, overwrite)
     if isinstance(source, str):
         src: DocumentSource = open_source(source, fmt=fmt, field=field, split=split,
-                                          max_bytes=max_bytes)
+                                          max_bytes=max_bytes, encoding=encoding)
     else:
-        if (fmt, field, split, max_bytes) != ("auto", "text", "train", None):
-            raise DataError("fmt, field, split and max_bytes apply to a source spec string; a "
-                            "source object carries its own (set them when building it)")
+        if (fmt, field, split, max_bytes, encoding) != ("auto", "text", "train", None, DEFAULT_ENCODING):
+            raise DataError("fmt, field, split, max_bytes and encoding apply to a source spec "
+                            "string; a source object carries its own (set them when building it)")
         src = source
     report = progress or (lambda stage, done, total: None)
 
@@ -131,7 +134,7 @@ def prepare(
                 for (name, text), enc in zip(batch, encodings, strict=True):
                     writer = writers[plan.split_of(name)]
                     ids = np.asarray([*enc.ids, EOS_ID], dtype=dtype)
-                    n_bytes = len(text.encode("utf-8"))
+                    n_bytes = text_bytes(text)  # UTF-8 of the decoded text: see text_bytes
                     index.write(json.dumps({"split": writer.split, "offset": writer.n_tokens,
                                             "n_tokens": len(ids), "n_bytes": n_bytes,
                                             "name": name}) + "\n")
@@ -247,7 +250,7 @@ def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -
         counts[plan.split_of(name)] += 1
         lowest = min(lowest, (u, name)) if lowest else (u, name)
         highest = max(highest, (u, name)) if highest else (u, name)
-        plan.total_bytes += len(text.encode("utf-8"))
+        plan.total_bytes += text_bytes(text)
         report("reading", plan.total_bytes, None)
     n_docs = counts["train"] + counts["val"]
     if n_docs < 2 or lowest is None or highest is None:
@@ -264,7 +267,7 @@ def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) ->
     done = 0
     for name, text in src.documents():
         yield name, text
-        done += len(text.encode("utf-8"))
+        done += text_bytes(text)
         report(stage, done, total)
 
 

@@ -34,6 +34,7 @@ from archlab.data.recipes.cache import default_cache_dir, remove_stale
 from archlab.data.recipes.cleaners import CLEANING_VERSION, Document
 from archlab.data.recipes.fetch import ProgressFn
 from archlab.data.recipes.specs import Component, Recipe, get_recipe
+from archlab.data.decoding import text_bytes
 from archlab.data.sources import open_source
 from archlab.errors import DataError
 
@@ -186,7 +187,7 @@ def _sample(docs: Iterable[Document] | Callable[[], Iterable[Document]], max_byt
     ranked = []
     smallest = None
     for name, text in stream:
-        n = len(text.encode("utf-8"))
+        n = text_bytes(text)
         smallest = n if smallest is None else min(smallest, n)
         ranked.append((hashlib.sha256((SAMPLE_KEY + name).encode()).digest(), name, n))
     ranked.sort()
