@@ -13,7 +13,14 @@ import pytest
 from archlab.data import prepare
 from archlab.data.integrity import VERIFY_FILE
 from archlab.data.tokenizer import EOS_ID, load_tokenizer
-from tests.data.data_testutil import STDLIB, STDLIB_ARGS, read_documents, snapshot, split_tokens
+from tests.data.data_testutil import (
+    STDLIB,
+    STDLIB_ARGS,
+    doc_folder,
+    read_documents,
+    snapshot,
+    split_tokens,
+)
 
 Docs = list[tuple[str, str]]
 
@@ -98,14 +105,6 @@ def test_split_is_disjoint_non_empty_and_deterministic(stdlib_dir: Path, tmp_pat
     prepare("stdlib", other_seed, **STDLIB_ARGS, seed=3)
     val3 = {d["name"] for d in read_documents(other_seed) if d["split"] == "val"}
     assert val3 and val3 != val
-
-
-def doc_folder(folder: Path, docs: Docs) -> Path:
-    """A folder source holding ``docs`` as one ``.txt`` file each."""
-    folder.mkdir()
-    for name, doc in docs:
-        (folder / f"{name}.txt").write_text(doc)
-    return folder
 
 
 def test_tiny_corpus_still_gets_a_val_document(real_docs: Docs, tmp_path: Path) -> None:

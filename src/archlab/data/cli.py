@@ -27,7 +27,7 @@ from rich.table import Table
 
 from archlab.data.decoding import DEFAULT_ENCODING, replacement_warning, text_encoding
 from archlab.data.loader import TokenData
-from archlab.data.prepare import DEFAULT_SHARD_TOKENS, MANIFEST_FILE, SPLITS, _check_destination, prepare
+from archlab.data.prepare import DEFAULT_SHARD_TOKENS, MANIFEST_FILE, SPLITS, check_destination, prepare
 from archlab.data.recipes import CACHE_ENV, default_cache_dir, get_recipe, open_recipe, recipe_rows
 from archlab.data.sources import FORMATS, STDLIB_DEFAULT_MAX_BYTES
 from archlab.errors import DataError
@@ -147,7 +147,7 @@ def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Con
                         "how its files are read)")
     get_recipe(args.recipe)  # an unknown name fails before anything else
     out = Path(args.out or f"data/{args.recipe}")
-    _check_destination(out, args.overwrite)  # before any download
+    check_destination(out, args.overwrite)  # before any download
     cache = Path(args.cache).expanduser() if args.cache else default_cache_dir()
     source = open_recipe(args.recipe, cache_dir=cache, max_bytes=max_bytes,
                          any_version=args.any_version, progress=lambda msg: stderr.print(msg))

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from archlab.data.recipes import cleaners, fetch, specs
 from archlab.data.recipes.cache import default_cache_dir, remove_stale
@@ -143,31 +143,69 @@ class RecipeSource:
 
 def _part_documents(part: RecipePart) -> Iterator[Document]:
     """A part's non-empty documents; the first complete pass is saved as JSON lines in the cache
-    (keyed by the package's sha256 and this module's code) and later passes read that file."""
+    (keyed by the package's sha256 and the readers' code) and later passes read that file."""
     if part.cleaned is not None and part.cleaned.is_file():
         yield from _read_cleaned(part.cleaned)
         return
-    tmp = writer = None
-    if part.cleaned is not None:
-        part.cleaned.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(part.cleaned.parent)
-        tmp = part.cleaned.with_name(f".tmp-{uuid.uuid4().hex[:12]}-{part.cleaned.name}")
-        writer = open(tmp, "w", encoding="utf-8")  # noqa: SIM115 (closed below, also on early exit)
+    cache = _CleanedCache(part.cleaned) if part.cleaned is not None else None
     try:
         for name, text in part.recipe.documents(part.root):
             if not text:
                 continue
-            if writer is not None:
-                writer.write(json.dumps([name, text]) + "\n")
+            if cache is not None:
+                cache.add(name, text)
             yield name, text
-        if writer is not None and tmp is not None and part.cleaned is not None:
-            writer.close()
-            writer = None
-            os.replace(tmp, part.cleaned)
+        if cache is not None:
+            cache.finish()
     finally:
-        if writer is not None and tmp is not None:  # abandoned or failed: no partial cache entry
-            writer.close()
-            tmp.unlink(missing_ok=True)
+        if cache is not None:  # abandoned or failed: no partial cache entry
+            cache.abandon()
+
+
+class _CleanedCache:
+    """A part's cleaned documents, written to a temporary beside ``path`` and renamed into place
+    when complete. The cache only saves time, so it never raises: if it cannot be written (a full
+    disk, a read-only cache folder), the documents still flow and the entry is just not made."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:12]}-{path.name}")
+        self.file: TextIO | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(path.parent)
+            self.file = open(self.tmp, "w", encoding="utf-8")  # noqa: SIM115 (closed by finish/abandon)
+        except OSError:
+            self.abandon()
+
+    def add(self, name: str, text: str) -> None:
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps([name, text]) + "\n")
+            except OSError:
+                self.abandon()
+
+    def finish(self) -> None:
+        file, self.file = self.file, None
+        if file is None:
+            return
+        try:
+            file.close()
+            os.replace(self.tmp, self.path)
+        except OSError:
+            self.abandon()
+
+    def abandon(self) -> None:
+        file, self.file = self.file, None
+        if file is not None:
+            try:
+                file.close()  # closes the descriptor even when the flush fails
+            except OSError:
+                pass
+        try:
+            self.tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _read_cleaned(path: Path) -> Iterator[Document]:
