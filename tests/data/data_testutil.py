@@ -32,3 +32,11 @@ def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
     """Every file under ``root`` (hidden ones included) with its bytes and mtime."""
     return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def doc_folder(folder: Path, docs: list[tuple[str, str]]) -> Path:
+    """A folder source holding ``docs`` as one ``.txt`` file each."""
+    folder.mkdir()
+    for name, doc in docs:
+        (folder / f"{name}.txt").write_text(doc)
+    return folder

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 from archlab.data import prepare
+from archlab.data.integrity import VERIFY_FILE
 from archlab.data.tokenizer import EOS_ID, load_tokenizer
-from tests.data.data_testutil import STDLIB, STDLIB_ARGS, read_documents, snapshot, split_tokens
+from tests.data.data_testutil import (
+    STDLIB,
+    STDLIB_ARGS,
+    doc_folder,
+    read_documents,
+    snapshot,
+    split_tokens,
+)
 
 Docs = list[tuple[str, str]]
 
@@ -28,7 +36,8 @@ def test_manifest_describes_the_shards(stdlib_dir: Path) -> None:
     assert m["sources"] == [{"spec": "stdlib", "fmt": "stdlib", "path": str(STDLIB),
                              "max_bytes": 300_000, "python": platform.python_version(),
                              "excluded_dirs": ["__pycache__", "idle_test", "site-packages", "test",
-                                               "tests", "config-*"]}]
+                                               "tests", "config-*"],
+                             "encoding": "utf-8", "replaced_bytes": 0}]
     assert m["split"]["seed"] == 0 and m["split"]["val_frac"] == 0.1
     tokenizer_bytes = (stdlib_dir / "tokenizer.json").read_bytes()
     assert m["tokenizer"]["sha256"] == hashlib.sha256(tokenizer_bytes).hexdigest()
@@ -45,7 +54,8 @@ def test_manifest_describes_the_shards(stdlib_dir: Path) -> None:
         assert tokens.max() < 512
         # one end-of-text per document, and the stream ends with one
         assert int((tokens == EOS_ID).sum()) == entry["n_docs"] and tokens[-1] == EOS_ID
-    names = [p.name for p in stdlib_dir.iterdir()]
+    # (the shard verification cache appears once TokenData has opened the directory)
+    names = [p.name for p in stdlib_dir.iterdir() if p.name != VERIFY_FILE]
     assert sorted(names) == ["documents.jsonl", "manifest.json", "tokenizer.json", "train_000.bin",
                              "train_001.bin", "train_002.bin", "train_003.bin", "train_004.bin",
                              "val_000.bin"]
@@ -95,14 +105,6 @@ def test_split_is_disjoint_non_empty_and_deterministic(stdlib_dir: Path, tmp_pat
     prepare("stdlib", other_seed, **STDLIB_ARGS, seed=3)
     val3 = {d["name"] for d in read_documents(other_seed) if d["split"] == "val"}
     assert val3 and val3 != val
-
-
-def doc_folder(folder: Path, docs: Docs) -> Path:
-    """A folder source holding ``docs`` as one ``.txt`` file each."""
-    folder.mkdir()
-    for name, doc in docs:
-        (folder / f"{name}.txt").write_text(doc)
-    return folder
 
 
 def test_tiny_corpus_still_gets_a_val_document(real_docs: Docs, tmp_path: Path) -> None:

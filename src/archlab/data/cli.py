@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from archlab.data.decoding import DEFAULT_ENCODING, replacement_warning, text_encoding
 from archlab.data.loader import TokenData
-from archlab.data.prepare import DEFAULT_SHARD_TOKENS, SPLITS, _check_destination, prepare
+from archlab.data.prepare import DEFAULT_SHARD_TOKENS, MANIFEST_FILE, SPLITS, check_destination, prepare
 from archlab.data.recipes import CACHE_ENV, default_cache_dir, get_recipe, open_recipe, recipe_rows
 from archlab.data.sources import FORMATS, STDLIB_DEFAULT_MAX_BYTES
 from archlab.errors import DataError
@@ -53,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--format", dest="fmt", default="auto", choices=FORMATS,
                    help="how to read the source (default: inferred from suffix/layout)")
     p.add_argument("--field", default="text", help="text field of JSONL/Parquet/HF rows (default: text)")
+    p.add_argument("--encoding", default=DEFAULT_ENCODING, type=_encoding, metavar="CODEC",
+                   help="encoding of text and JSONL files, a Python codec name such as latin-1 or "
+                        "cp1252 (default: utf-8); undecodable bytes are replaced, counted and "
+                        "reported")
     p.add_argument("--split", default="train",
                    help="split of a saved DatasetDict or a hub dataset (default: train)")
     p.add_argument("--out", default=None,
@@ -81,9 +87,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     r.set_defaults(func=run_recipes)
 
     i = sub.add_parser("info", help="summarize a prepared data directory",
-                       description="Check a prepared data directory and print its manifest summary.")
+                       description="Verify a prepared data directory (its manifest, its tokenizer's "
+                                   "sha256, and every shard's sha256 and token ids, recomputed) and "
+                                   "print its manifest summary.")
     i.add_argument("dir", nargs="?", default=DEFAULT_OUT, help=f"data directory (default: {DEFAULT_OUT})")
     i.set_defaults(func=run_info)
+
+
+def _encoding(name: str) -> str:
+    """argparse type of --encoding: a bad name is a usage error (one line, exit status 2)."""
+    try:
+        return text_encoding(name)
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -113,7 +129,8 @@ def run_prepare(args: argparse.Namespace) -> int:
         manifest = prepare(args.source or "stdlib", out, vocab_size=args.vocab_size, fmt=args.fmt,
                            field=args.field, val_frac=args.val_frac, max_bytes=max_bytes,
                            seed=args.seed, shard_tokens=args.shard_tokens, split=args.split,
-                           overwrite=args.overwrite, progress=report)
+                           overwrite=args.overwrite, progress=report, encoding=args.encoding)
+    _warn_replaced(manifest)
     console = Console()
     print_summary(console, Path(out), manifest)
     console.print(f"prepared {out} in {manifest['prepare_seconds']:.1f} s")
@@ -123,14 +140,14 @@ def run_prepare(args: argparse.Namespace) -> int:
 def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Console) -> int:
     """Fetch a recipe (nothing is written if that fails), then prepare it like any source."""
     source_only = (("--format", args.fmt, "auto"), ("--field", args.field, "text"),
-                   ("--split", args.split, "train"))
+                   ("--split", args.split, "train"), ("--encoding", args.encoding, DEFAULT_ENCODING))
     given = [flag for flag, value, default in source_only if value != default]
     if given:
         raise DataError(f"{', '.join(given)} apply to --source, not to --recipe (a recipe knows "
                         "how its files are read)")
     get_recipe(args.recipe)  # an unknown name fails before anything else
     out = Path(args.out or f"data/{args.recipe}")
-    _check_destination(out, args.overwrite)  # before any download
+    check_destination(out, args.overwrite)  # before any download
     cache = Path(args.cache).expanduser() if args.cache else default_cache_dir()
     source = open_recipe(args.recipe, cache_dir=cache, max_bytes=max_bytes,
                          any_version=args.any_version, progress=lambda msg: stderr.print(msg))
@@ -143,6 +160,15 @@ def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Con
     console.print(f"prepared {out} from recipe {args.recipe} in {manifest['prepare_seconds']:.1f} s "
                   f"(cache: {cache})")
     return 0
+
+
+def _warn_replaced(manifest: dict[str, Any]) -> None:
+    """One plain line on stderr per source whose bytes did not all decode (plain print: a rich
+    console would wrap it)."""
+    for entry in manifest["sources"]:
+        line = replacement_warning(entry)
+        if line:
+            print(line, file=sys.stderr)
 
 
 def run_recipes(args: argparse.Namespace) -> int:
@@ -160,22 +186,31 @@ def run_recipes(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    data = TokenData(args.dir)  # validates manifest, shards and tokenizer hash
-    print_summary(Console(), data.path, data.manifest)
+    # recheck: hash every shard now, whatever the verification cache says; a user asking
+    # whether the data is intact should get an answer about the bytes on disk.
+    data = TokenData(args.dir, recheck=True)
+    console = Console()
+    print_summary(console, data.path, data.manifest)
+    v = data.verification
+    console.print(f"checked: {MANIFEST_FILE} complete; {data.tokenizer_path.name} sha256 matches; "
+                  f"{v.n_shards} shards ({v.n_bytes:,} bytes): sizes and sha256 recomputed, all match "
+                  f"{MANIFEST_FILE}; token ids all below vocab_size {v.vocab_size} (largest {v.max_id})")
     return 0
 
 
 def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> None:
     """Sources, per-split sizes and the tokenizer of a manifest, as rich tables."""
     sources = Table(title=f"data {path}: sources", title_justify="left")
-    for column in ("spec", "format", "path", "field / split", "limit", "python"):
+    for column in ("spec", "format", "path", "field / split", "limit", "encoding", "python"):
         sources.add_column(column, overflow="fold")
     for src in manifest["sources"]:
         limit = src.get("max_bytes")
+        replaced = src.get("replaced_bytes")
         sources.add_row(
             src["spec"], src["fmt"], src["path"],
             " / ".join(str(src[k]) for k in ("field", "split") if k in src) or "-",
             f"{limit / 10**6:g} MB" if limit else "none",
+            src.get("encoding", "-") + (f", {replaced:,} bytes replaced" if replaced else ""),
             src.get("python", "-"))
     console.print(sources)
     recipes = [src for src in manifest["sources"] if "recipe" in src]

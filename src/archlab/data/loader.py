@@ -1,7 +1,9 @@
 """``TokenData``: a prepared data directory, checked on open, read through memory maps.
 
 Opening checks everything that would otherwise fail later or, worse, silently train on the wrong
-tokens: the manifest, every shard's size, and the tokenizer's sha256 against the manifest.
+tokens: the manifest, every shard's size, the tokenizer's sha256 against the manifest, and every
+shard's sha256 and largest token id (see :mod:`archlab.data.integrity`: hashed once per file
+state, so that a second launch on unchanged data starts without reading the shards).
 
 Training batches are stateless: the windows of a batch depend only on ``(seed, step, micro)``.
 Two runs with the same data seed see the same tokens, and a run resumed at step ``s`` sees
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from archlab.data.integrity import ShardRecord, Verification, verify_shards
 from archlab.data.prepare import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, SPLITS
 from archlab.data.tokenizer import file_sha256, load_tokenizer
 from archlab.errors import DataError
@@ -28,12 +31,25 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class TokenData:
     """The token shards, tokenizer and manifest of a directory written by ``prepare``."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, recheck: bool = False) -> None:
+        """Open and check the data directory ``path``.
+
+        ``recheck``: hash every shard even if the verification cache says it is unchanged
+        (``archlab data info`` does; training trusts the cache).
+        """
         self.path = Path(path)
         self._manifest = self._read_manifest()
         self._dtype = self._manifest_dtype()
         self._shards = {split: self._open_split(split) for split in SPLITS}
         self._tokenizer = self._load_checked_tokenizer()
+        # Last, after the cheap checks: a directory that fails them is reported without reading
+        # every shard, and the verification cache is written only for data that passed them.
+        self.verification: Verification = verify_shards(
+            self.path,
+            [ShardRecord(shard["file"], shard["sha256"])
+             for split in SPLITS for shard in self._split_entry(split)["shards"]],
+            self._dtype, self.vocab_size, use_cache=not recheck,
+            prepare_hint=f"re-run `archlab data prepare --out {self.path} --overwrite`")
         self._val_cache: dict[tuple[int, int, int], np.ndarray] = {}
 
     # ---- properties ------------------------------------------------------------------------
@@ -222,7 +238,7 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
         for shard in shards:
             if not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
                     and Path(shard["file"]).name == shard["file"]
-                    and isinstance(shard.get("n_tokens"), int)):
+                    and isinstance(shard.get("n_tokens"), int) and isinstance(shard.get("sha256"), str)):
                 return f"splits.{split} has a malformed shard entry {shard!r}"
     return None
 

@@ -14,25 +14,33 @@ Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
     documents.jsonl   one line per document: split, offset in its split, tokens, bytes, name
 
 Everything is built in a hidden sibling directory and renamed into place at the end, so a crash
-or Ctrl-C never leaves a half-written data directory behind.
+or Ctrl-C never leaves a half-written data directory behind. A failed run removes that directory
+(and nothing in its cleanup can raise over the error that stopped it); a killed run cannot, so
+each prepare first removes the temporaries of processes that are gone (see "Temporaries"). A full
+disk is one ``DataError`` line naming the path that could not be written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TextIO
 
 import numpy as np
 
+from archlab.data.decoding import DEFAULT_ENCODING, text_bytes
 from archlab.data.sources import open_source
 from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
 from archlab.errors import DataError
@@ -83,33 +91,45 @@ def prepare(
     split: str = "train",
     overwrite: bool = False,
     progress: ProgressFn | None = None,
+    encoding: str = DEFAULT_ENCODING,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into ``out_dir`` and return the manifest that was written.
 
-    ``source``/``fmt``/``field``/``split``/``max_bytes`` choose the corpus (see
+    ``source``/``fmt``/``field``/``split``/``max_bytes``/``encoding`` choose the corpus (see
     :func:`archlab.data.sources.open_source`; ``max_bytes=None`` means 8 MB for ``stdlib`` and
-    everything otherwise, 0 means no limit). ``seed`` and ``val_frac`` decide the document-level
-    split. An ``out_dir`` that already holds prepared data is replaced only with
-    ``overwrite=True``; a non-empty directory that is not prepared data is never touched.
+    everything otherwise, 0 means no limit). Bytes that do not decode in ``encoding`` are
+    replaced and counted in the manifest's ``sources`` entry (``replaced_bytes``). ``seed`` and
+    ``val_frac`` decide the document-level split. An ``out_dir`` that already holds prepared
+    data is replaced only with ``overwrite=True``; a non-empty directory that is not prepared
+    data is never touched. Leftover temporaries of dead prepare runs beside ``out_dir`` are
+    removed first; a full disk is one ``DataError`` naming the path, with nothing left behind.
 
     ``source`` may also be a source object (see :class:`DocumentSource`), e.g. from
     :func:`archlab.data.recipes.open_recipe`; it carries its own format, limit and provenance,
-    so ``fmt``/``field``/``split``/``max_bytes`` must then keep their defaults.
+    so ``fmt``/``field``/``split``/``max_bytes``/``encoding`` must then keep their defaults.
     """
     started = time.perf_counter()
     _check_args(vocab_size, val_frac, seed, shard_tokens)
     out = Path(out_dir)
-    _check_destination(out, overwrite)
+    check_destination(out, overwrite)
+    remove_stale_temporaries(out)  # a killed run's leftovers may be what fills the disk
     if isinstance(source, str):
         src: DocumentSource = open_source(source, fmt=fmt, field=field, split=split,
-                                          max_bytes=max_bytes)
+                                          max_bytes=max_bytes, encoding=encoding)
     else:
-        if (fmt, field, split, max_bytes) != ("auto", "text", "train", None):
-            raise DataError("fmt, field, split and max_bytes apply to a source spec string; a "
-                            "source object carries its own (set them when building it)")
+        if (fmt, field, split, max_bytes, encoding) != ("auto", "text", "train", None, DEFAULT_ENCODING):
+            raise DataError("fmt, field, split, max_bytes and encoding apply to a source spec "
+                            "string; a source object carries its own (set them when building it)")
         src = source
     report = progress or (lambda stage, done, total: None)
 
+    with _full_disk_is_a_data_error(out):
+        return _build(src, out, vocab_size, val_frac, seed, shard_tokens, report, started)
+
+
+def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, seed: int,
+           shard_tokens: int, report: ProgressFn, started: float) -> dict[str, Any]:
+    """The three passes: split, tokenizer, shards in a temporary directory moved into place."""
     plan = _scan(src, seed, val_frac, report)
     tokenizer = train_bpe(
         (text for name, text in _tracked(src, "training tokenizer", plan.total_bytes, report)
@@ -120,22 +140,25 @@ def prepare(
     dtype = np.dtype(np.uint16 if actual_vocab <= 1 << 16 else np.uint32)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stick to the final directory
-    writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+    tmp = temporary_path(out, "tmp")
+    writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+    index: TextIO | None = None
     try:
+        tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stick to the final directory
         tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
-        with open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8") as index:
+        index = open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+        with _naming(tmp / DOCUMENTS_FILE):
             for batch in _batches(_tracked(src, "encoding", plan.total_bytes, report)):
                 encodings = tokenizer.encode_batch([text for _, text in batch])
                 for (name, text), enc in zip(batch, encodings, strict=True):
                     writer = writers[plan.split_of(name)]
                     ids = np.asarray([*enc.ids, EOS_ID], dtype=dtype)
-                    n_bytes = len(text.encode("utf-8"))
+                    n_bytes = text_bytes(text)  # UTF-8 of the decoded text: see text_bytes
                     index.write(json.dumps({"split": writer.split, "offset": writer.n_tokens,
                                             "n_tokens": len(ids), "n_bytes": n_bytes,
                                             "name": name}) + "\n")
                     writer.add(ids, n_bytes)
+            index.close()
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
@@ -151,14 +174,56 @@ def prepare(
             "documents": DOCUMENTS_FILE,
             "prepare_seconds": round(time.perf_counter() - started, 2),
         }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        with _naming(tmp / MANIFEST_FILE):
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         _install(tmp, out)
     except BaseException:
-        for writer in writers.values():
-            writer.discard()
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Cleanup cannot fail, so the error reported is the one that stopped the run.
+        _discard(tmp, writers, index)
         raise
     return manifest
+
+
+def _discard(tmp: Path, writers: dict[str, ShardWriter], index: TextIO | None) -> None:
+    """Close what is open and delete ``tmp``; never raises (a close that cannot flush on a full
+    disk, a file already gone), so it cannot mask the error that made the run fail."""
+    for writer in writers.values():
+        writer.discard()
+    if index is not None:
+        try:
+            index.close()
+        except OSError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _full_disk_is_a_data_error(out: Path) -> Iterator[None]:
+    """"No space left on device", wherever it happens while preparing ``out``, as one line:
+    which path could not be written, and that the data already at ``out`` (if any) is untouched
+    (the temporary directory is gone by then: see ``_discard``)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        where = e.filename or out.parent  # every write in the build names its file (_naming)
+        kept = (f"the prepared data already in {out} is unchanged"
+                if (out / MANIFEST_FILE).is_file() else "nothing was written")
+        raise DataError(f"no space left on device: writing {where} failed, its file system is "
+                        f"full; free some space there (or choose another --out) and re-run "
+                        f"`archlab data prepare`; {kept}") from None
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Add ``path`` to an OSError that names no file (a failed write or close does not)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def _describe(src: DocumentSource) -> list[dict[str, Any]]:
@@ -177,7 +242,7 @@ def _check_args(vocab_size: int, val_frac: float, seed: int, shard_tokens: int) 
         raise DataError(f"vocab size {vocab_size} does not fit in uint32 token ids")
 
 
-def _check_destination(out: Path, overwrite: bool) -> None:
+def check_destination(out: Path, overwrite: bool) -> None:
     """Fail before any work if ``out`` cannot be (re)placed; never delete foreign files."""
     if not out.exists():
         return
@@ -200,7 +265,7 @@ def _install(tmp: Path, out: Path) -> None:
     (for an instant neither), never a mixture.
     """
     if out.exists() and any(out.iterdir()):
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        old = temporary_path(out, "old")
         os.replace(out, old)
         try:
             os.replace(tmp, out)
@@ -210,6 +275,77 @@ def _install(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)  # rename(2) replaces an empty directory atomically
+
+
+# --------------------------------------------------------------------------------------------
+# Temporaries
+# --------------------------------------------------------------------------------------------
+# A run builds in ``.NAME.tmp-HOST-PID-XXXXXXXX`` beside ``NAME`` and, when replacing data, parks
+# the old directory as ``.NAME.old-HOST-PID-XXXXXXXX`` for an instant. A run that is killed
+# (SIGKILL, out of memory, power loss) cannot remove them, and on a full disk they keep it full,
+# so every prepare first removes those whose process is gone. Host and pid in the name tell a
+# dead run from a live one; a directory from another host (a shared file system) is left alone.
+_TEMPORARY = re.compile(
+    r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+# Before names carried a pid, temporaries were ``.NAME.tmp-XXXXXXXX``: removed once this old.
+_LEGACY_STALE_S = 6 * 3600
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def temporary_path(out: Path, kind: str, pid: int | None = None) -> Path:
+    """A new name for a temporary (``kind`` tmp or old) of ``out``, owned by process ``pid``
+    (default: this one) on this host."""
+    pid = os.getpid() if pid is None else pid
+    return out.with_name(f".{out.name}.{kind}-{_host()}-{pid}-{uuid.uuid4().hex[:8]}")
+
+
+def _process_exists(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process id we could have written: never treat it as dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the prepare temporaries beside ``out`` that no running process owns; return them.
+
+    Build directories (``.tmp-``) of dead processes on this host go, for any output name in the
+    folder; a parked old directory (``.old-``) only when its data directory is complete again
+    (otherwise it may be the only copy). Never raises: a directory that cannot be removed stays.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(out.parent.iterdir()) if out.parent.is_dir() else []
+    except OSError:
+        return removed
+    host = _host()
+    legacy = re.compile(rf"^\.{re.escape(out.name)}\.tmp-[0-9a-f]{{8}}$")
+    for path in entries:
+        m = _TEMPORARY.match(path.name)
+        try:
+            if not path.is_dir() or path.is_symlink():
+                continue
+            if m is not None:
+                if m["host"] != host or _process_exists(int(m["pid"])):
+                    continue
+                if m["kind"] == "old" and not (out.parent / m["name"] / MANIFEST_FILE).is_file():
+                    continue
+            elif not (legacy.match(path.name) and time.time() - path.stat().st_mtime > _LEGACY_STALE_S):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +383,7 @@ def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -
         counts[plan.split_of(name)] += 1
         lowest = min(lowest, (u, name)) if lowest else (u, name)
         highest = max(highest, (u, name)) if highest else (u, name)
-        plan.total_bytes += len(text.encode("utf-8"))
+        plan.total_bytes += text_bytes(text)
         report("reading", plan.total_bytes, None)
     n_docs = counts["train"] + counts["val"]
     if n_docs < 2 or lowest is None or highest is None:
@@ -264,7 +400,7 @@ def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) ->
     done = 0
     for name, text in src.documents():
         yield name, text
-        done += len(text.encode("utf-8"))
+        done += text_bytes(text)
         report(stage, done, total)
 
 
@@ -284,7 +420,12 @@ def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]
 # --------------------------------------------------------------------------------------------
 # Shards
 # --------------------------------------------------------------------------------------------
-class _ShardWriter:
+def open_shard(path: Path) -> BinaryIO:
+    """A new shard file, open for writing (tests replace it to simulate a full disk)."""
+    return open(path, "wb")  # noqa: SIM115 (the writer closes it per shard)
+
+
+class ShardWriter:
     """Appends token arrays to ``{split}_000.bin``, ``{split}_001.bin``, ... of ``shard_tokens``
     tokens each (the last one shorter), hashing each shard as it is written."""
 
@@ -298,6 +439,7 @@ class _ShardWriter:
         self.n_docs = 0
         self.shards: list[dict[str, Any]] = []
         self._file: BinaryIO | None = None
+        self._path = directory
         self._hash = hashlib.sha256()
         self._in_shard = 0
 
@@ -307,11 +449,13 @@ class _ShardWriter:
         while ids.size:
             if self._file is None:
                 name = f"{self.split}_{len(self.shards):03d}.bin"
-                self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed per shard)
+                self._path = self.directory / name
+                self._file = open_shard(self._path)
                 self.shards.append({"file": name})
             take = ids[: self.shard_tokens - self._in_shard]
             data = take.tobytes()
-            self._file.write(data)
+            with _naming(self._path):
+                self._file.write(data)
             self._hash.update(data)
             self._in_shard += take.size
             self.n_tokens += take.size
@@ -327,13 +471,18 @@ class _ShardWriter:
                 "n_bytes": self.n_bytes}
 
     def discard(self) -> None:
-        """Close an open shard without recording it (the caller deletes the directory)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close an open shard without recording it (the caller deletes the directory). Never
+        raises: on a full disk the close cannot flush, and that must not hide the first error."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()  # a buffered file closes its descriptor even when the flush fails
+            except OSError:
+                pass
 
     def _finish_shard(self) -> None:
         assert self._file is not None
-        self._file.close()
+        with _naming(self._path):
+            self._file.close()
         self.shards[-1].update(n_tokens=self._in_shard, sha256=self._hash.hexdigest())
         self._file, self._hash, self._in_shard = None, hashlib.sha256(), 0

@@ -13,6 +13,7 @@ wherever it is prepared.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import importlib.util
@@ -22,7 +23,7 @@ import platform
 import re
 import sysconfig
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from archlab.data.arrow import save_to_disk_files
+from archlab.data.decoding import (
+    DEFAULT_ENCODING,
+    REPLACE_AND_COUNT,
+    DecodeTally,
+    decode,
+    replaced_so_far,
+    text_encoding,
+)
 from archlab.errors import DataError
 
 Document = tuple[str, str]
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
+# Formats read from bytes, where --encoding applies; Parquet, Arrow and hub datasets hold text
+# that is already decoded (Arrow strings are UTF-8 by definition).
+DECODED_FORMATS = ("stdlib", "text", "jsonl")
 
 # The default stdlib budget: about 8 MB keeps `archlab data prepare` well under a minute on two
 # CPU cores while still giving a few million tokens.
@@ -70,6 +82,10 @@ class Source:
     stream: whole documents in order, then the start of the one that crosses the limit (cut at a
     character boundary). A prefix, rather than a selection of documents that fit, keeps a limited
     corpus an easy-to-describe subset of the full one, and the budget is met whatever the sizes.
+
+    ``encoding`` decodes text and JSONL files; bytes that do not decode become U+FFFD and are
+    counted: ``decoding`` holds the count of the last complete pass over the documents, which
+    ``describe()`` records.
     """
 
     spec: str
@@ -80,22 +96,30 @@ class Source:
     files: tuple[Path, ...]
     split: str
     max_bytes: int | None
+    encoding: str = DEFAULT_ENCODING
+    decoding: DecodeTally = field(default_factory=DecodeTally, compare=False, repr=False)
 
     def documents(self) -> Iterator[Document]:
         """Yield the non-empty documents in order, up to the byte budget."""
         used = 0
-        for name, text in self._all_documents():
+        tally = DecodeTally()  # this pass's count; published only when the pass is complete
+        for name, text in self._all_documents(tally):
             if not text:
                 continue
             if self.max_bytes is not None:
-                data = text.encode("utf-8")
+                data = text.encode("utf-8")  # = decoding.text_bytes(text), with the bytes kept
                 if used + len(data) > self.max_bytes:
                     head = data[: self.max_bytes - used].decode("utf-8", errors="ignore")
                     if head:
                         yield name, head
+                    self._publish(tally)
                     return
                 used += len(data)
             yield name, text
+        self._publish(tally)
+
+    def _publish(self, tally: DecodeTally) -> None:
+        self.decoding.replaced_bytes, self.decoding.files = tally.replaced_bytes, tally.files
 
     def describe(self) -> dict[str, Any]:
         """The manifest entry: enough to find and re-read the same corpus."""
@@ -112,15 +136,18 @@ class Source:
         if self.fmt == "stdlib":
             info["python"] = platform.python_version()
             info["excluded_dirs"] = [*sorted(_STDLIB_SKIP_DIRS), "config-*"]
+        if self.fmt in DECODED_FORMATS:
+            info.update(self.decoding.describe(self.encoding))
         return info
 
-    def _all_documents(self) -> Iterator[Document]:
+    def _all_documents(self, tally: DecodeTally) -> Iterator[Document]:
         if self.fmt == "hub":
             yield from _read_hub(self.path, self.split, self.field)
             return
         read = _READERS[self.fmt]
         for path in self.files:
-            yield from read(path, _relative_name(path, self.root), self.field)
+            yield from read(path, _relative_name(path, self.root),
+                            _ReadOptions(self.field, self.encoding, tally))
 
 
 def open_source(
@@ -129,6 +156,7 @@ def open_source(
     field: str = "text",
     split: str = "train",
     max_bytes: int | None = None,
+    encoding: str = DEFAULT_ENCODING,
 ) -> Source:
     """Resolve ``spec`` into a :class:`Source`, checking that it exists and holds files.
 
@@ -137,10 +165,24 @@ def open_source(
     every file a glob matches) by its suffix: ``.jsonl``/``.jsonl.gz`` JSONL, ``.parquet``
     Parquet, ``.arrow`` Arrow stream, anything else text. ``split`` picks the split of a saved
     DatasetDict or a hub dataset. ``max_bytes``: None is the source's default (8 MB for stdlib,
-    no limit otherwise), 0 is no limit.
+    no limit otherwise), 0 is no limit. ``encoding`` (a Python codec name) decodes text and
+    JSONL files; other formats hold decoded text and take only the default.
     """
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    encoding = text_encoding(encoding)
+    source = _resolve(spec, fmt, field, split, max_bytes)
+    if encoding != DEFAULT_ENCODING:
+        if source.fmt not in DECODED_FORMATS[1:]:
+            what = "the stdlib source is Python files, which are UTF-8" if source.fmt == "stdlib" \
+                else f"{source.fmt} data holds text that is already decoded"
+            raise DataError(f"--encoding applies to text and JSONL files; {what} (got --encoding "
+                            f"{encoding})")
+        source = dataclasses.replace(source, encoding=encoding)
+    return source
+
+
+def _resolve(spec: str, fmt: str, field: str, split: str, max_bytes: int | None) -> Source:
     if max_bytes is not None and max_bytes < 0:
         raise DataError(f"max_bytes must be >= 0 (0 = no limit), got {max_bytes}")
     if not field:
@@ -289,23 +331,37 @@ def _hf_arrow_files(root: Path, split: str) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------
-# Readers: (path, name, field) -> documents
+# Readers: (path, name, options) -> documents
 # --------------------------------------------------------------------------------------------
-def _read_text(path: Path, name: str, field: str) -> Iterator[Document]:
-    """One document per file; bad UTF-8 bytes become U+FFFD rather than failing the corpus."""
-    del field  # text files have no fields
+@dataclass(frozen=True)
+class _ReadOptions:
+    """What a reader needs besides the file: the text field, the encoding of text and JSONL
+    files, and the tally their undecodable bytes are counted into."""
+
+    field: str
+    encoding: str
+    tally: DecodeTally
+
+
+def _read_text(path: Path, name: str, opts: _ReadOptions) -> Iterator[Document]:
+    """One document per file; undecodable bytes become U+FFFD (counted) rather than failing the
+    corpus. Universal newlines, as ``read_text`` had."""
     try:
-        yield name, path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
+    text, replaced = decode(data, opts.encoding)
+    opts.tally.add(name, replaced)
+    yield name, text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def _read_jsonl(path: Path, name: str, field: str) -> Iterator[Document]:
+def _read_jsonl(path: Path, name: str, opts: _ReadOptions) -> Iterator[Document]:
     """One document per line (``.gz`` is decompressed); blank lines are skipped."""
     opener = gzip.open if path.name.endswith(".gz") else open
+    field = opts.field
     try:
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, start=1):
+        with opener(path, "rt", encoding=opts.encoding, errors=REPLACE_AND_COUNT) as f:
+            for lineno, line in enumerate(_counted_lines(f, name, opts.tally), start=1):
                 if not line.strip():
                     continue
                 try:
@@ -330,6 +386,18 @@ def _read_jsonl(path: Path, name: str, field: str) -> Iterator[Document]:
         raise DataError(f"cannot read {path}: {e}") from None
 
 
+def _counted_lines(f: Any, name: str, tally: DecodeTally) -> Iterator[str]:
+    """The lines of the text file ``f``, counting into ``tally`` the bytes its decoder replaced
+    (measured around each read, which does not yield, so only this file's bytes count)."""
+    while True:
+        before = replaced_so_far()
+        line = f.readline()
+        tally.add(name, replaced_so_far() - before)
+        if not line:
+            return
+        yield line
+
+
 def _check_text_column(schema: pa.Schema, path: Path, field: str) -> None:
     if field not in schema.names:
         raise DataError(f"{path} has no column {field!r} (its columns: {', '.join(schema.names)}); "
@@ -348,7 +416,8 @@ def _rows(batches: Iterator[pa.RecordBatch], name: str, column: str) -> Iterator
             row += 1
 
 
-def _read_parquet(path: Path, name: str, field: str) -> Iterator[Document]:
+def _read_parquet(path: Path, name: str, opts: _ReadOptions) -> Iterator[Document]:
+    field = opts.field
     try:
         pf = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as e:
@@ -357,8 +426,9 @@ def _read_parquet(path: Path, name: str, field: str) -> Iterator[Document]:
     yield from _rows(pf.iter_batches(columns=[field], batch_size=1024), name, field)
 
 
-def _read_arrow(path: Path, name: str, field: str) -> Iterator[Document]:
+def _read_arrow(path: Path, name: str, opts: _ReadOptions) -> Iterator[Document]:
     """An Arrow IPC stream (what ``save_to_disk`` writes), or an Arrow IPC file."""
+    field = opts.field
     try:
         source = pa.memory_map(str(path))
         try:
@@ -396,7 +466,7 @@ def _read_hub(name: str, split: str, field: str) -> Iterator[Document]:
             row += 1
 
 
-_READERS: dict[str, Callable[[Path, str, str], Iterator[Document]]] = {
+_READERS: dict[str, Callable[[Path, str, _ReadOptions], Iterator[Document]]] = {
     "stdlib": _read_text,
     "text": _read_text,
     "jsonl": _read_jsonl,

@@ -15,6 +15,8 @@ and the loader refuses a tokenizer file that no longer matches the tokens on dis
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -55,8 +57,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> str:
-    """Write ``tokenizer.json`` and return its sha256."""
-    tokenizer.save(str(path))
+    """Write ``tokenizer.json`` and return its sha256. A failed write is an ``OSError`` naming
+    ``path`` (``tokenizers`` raises a plain Exception that only carries the OS error's text),
+    so that callers can tell a full disk from a bug."""
+    try:
+        tokenizer.save(str(path))
+    except Exception as e:
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
     return file_sha256(path)
 
 
