@@ -203,13 +203,17 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path: Path) -> None:
     assert summary.startswith("5 of 7 runs to train") and "measured" in summary
 
 
-def test_one_compare_per_suite_directory(tmp_path: Path) -> None:
+def test_compares_share_a_suite_directory_but_no_resume_runs_alone(tmp_path: Path) -> None:
     with suite_lock(tmp_path):
-        with pytest.raises(ArchlabError, match="another archlab compare"):
+        with suite_lock(tmp_path):  # a second compare joins (run claims keep them apart)
+            pass
+        with pytest.raises(ArchlabError, match="another archlab compare is running.*--no-resume would move"):
+            with suite_lock(tmp_path, exclusive=True):
+                pass
+    with suite_lock(tmp_path, exclusive=True):  # released
+        with pytest.raises(ArchlabError, match="another archlab compare is starting .* over"):
             with suite_lock(tmp_path):
                 pass
-    with suite_lock(tmp_path):  # released
-        pass
 
 
 def test_parallel_jobs_give_the_sequential_results(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import base64
 import html
 import io
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from rich.table import Table
 from archlab.errors import ArchlabError
 from archlab.lab.fmt import si
 from archlab.lab.stats import Comparison, compare, noise_floor
-from archlab.lab.store import DB_NAME, DownstreamRow, ResultStore, RunRow
+from archlab.lab.store import DB_NAME, DownstreamRow, ResultStore, RunRow, display_status
 
 FIGURES = (  # (file, caption); the file stem is the figure's short name
     ("loss_curves.png", "Validation loss against training tokens (training FLOPs under iso-FLOP "
@@ -52,10 +53,11 @@ class LabelSummary:
     planned: int
     finished: list[RunRow]
     diverged: int
-    running: int
+    running: int  # being trained now (a live claim)
     costs: dict[str, Any]
     comparison: Comparison | None
     downstream: dict[str, list[DownstreamRow]] = field(default_factory=dict)  # task -> one per seed
+    interrupted: int = 0  # started, not finished, and the process training it is gone
 
     @property
     def losses(self) -> list[float]:
@@ -127,6 +129,7 @@ def collect(store: ResultStore) -> ReportData:
     if plan is None:
         raise ArchlabError(f"{store.path} holds no suite plan (run archlab compare first)")
     by_id = {r.run_id: r for r in store.runs()}
+    live = store.live_claims()
     planned = plan["runs"]
     suite = plan["suite"]
     n_tests = max(1, len(suite["variants"]))
@@ -151,7 +154,8 @@ def collect(store: ResultStore) -> ReportData:
             comp = compare(base_losses, losses, n_tests, alpha)
         return LabelSummary(label=label, role=mine[0]["role"], planned=len(mine), finished=done,
                             diverged=sum(r.status == "diverged" for r in got),
-                            running=sum(r.status == "running" for r in got),
+                            running=sum(display_status(r, live) == "running" for r in got),
+                            interrupted=sum(display_status(r, live) == "interrupted" for r in got),
                             costs=mine[0]["costs"], comparison=comp,
                             downstream={t: [evals[r.run_id][t] for r in done if t in evals.get(r.run_id, {})]
                                         for t in tasks})
@@ -258,6 +262,7 @@ def overview(data: ReportData) -> list[str]:
     done = sum(len(x.finished) for x in data.summaries)
     planned = sum(x.planned for x in data.summaries)
     running = sum(x.running for x in data.summaries)
+    interrupted = sum(x.interrupted for x in data.summaries)
     diverged = sum(x.diverged for x in data.summaries)
     revisions = sorted({r.code_revision for r in data.rows})
     devices = sorted({r.device for r in data.rows if r.device})
@@ -271,6 +276,8 @@ def overview(data: ReportData) -> list[str]:
         f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
         + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run"),
         f"Runs: {done} of {planned} finished" + (f", {running} running" if running else "")
+        + (f", {interrupted} interrupted (the process training {'it' if interrupted == 1 else 'them'} "
+           "is gone; compare resumes from the last checkpoint)" if interrupted else "")
         + (f", {diverged} diverged" if diverged else ""),
         f"Noise floor: {floor}",
         f"Final loss = mean of the last {s['eval']['last_k']} evaluations; significance: "
@@ -445,6 +452,14 @@ th{background:#f3f3f3}td{text-align:right}td:first-child,td:last-child{text-alig
 figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555;font-size:14px}"""
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file and a rename: compares sharing a suite directory may write
+    its report at the same moment, and a reader must see one whole report, not two interleaved."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     """Write report.md (+ PNGs) and report.html into the suite directory ``out_dir``."""
     out = Path(out_dir)
@@ -456,7 +471,7 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
         tables.append(("Downstream", *downstream_table(data)))
     pngs = {name: _png(fn(data)) for (name, _), fn in zip(FIGURES, (fig_curves, fig_diffs, fig_tradeoff))}
     for name, blob in pngs.items():
-        (out / name).write_bytes(blob)
+        _write_atomic(out / name, blob)
     facts = overview(data)
     desc = data.suite["description"]
 
@@ -469,7 +484,7 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     for name, caption in FIGURES:
         md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
     md_path = out / "report.md"
-    md_path.write_text("\n".join(md))
+    _write_atomic(md_path, "\n".join(md).encode())
 
     body = [f"<h1>{html.escape(title)}</h1>"] + ([f"<p>{html.escape(desc)}</p>"] if desc else [])
     body.append("<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")
@@ -485,7 +500,7 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
     html_path = out / "report.html"
-    html_path.write_text(page, encoding="utf-8")
+    _write_atomic(html_path, page.encode("utf-8"))
     return md_path, html_path
 
 
