@@ -94,6 +94,10 @@ def test_a_claim_holds_while_its_process_lives_and_is_taken_over_after(tmp_path:
             assert display_status(row, store.live_claims()) == "running" and row.attempts == 1
             store.release("a", me)  # not ours: left alone
             assert store.claims()["a"].owner.pid == holder.pid
+            assert store.claim_run(start("b"), me).state == "claimed"
+            assert store.runs_on_host() == 2  # the context a run's tokens/s is measured in
+            store.release("b", me)
+            assert store.runs_on_host() == 1
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
