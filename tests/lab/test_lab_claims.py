@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from rich.console import Console
 
 from archlab.lab.claims import STALE_AFTER_S, Owner, process_started
@@ -22,7 +21,7 @@ from archlab.lab.runner import plan_table, run_suite
 from archlab.lab.store import DB_NAME, ResultStore, display_status
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import FakeTrainer, fake_costs, write_suite
-from tests.lab.test_lab_store import start
+from tests.lab.test_lab_store import result, start
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PATH": "/usr/bin:/bin"}
@@ -132,7 +131,6 @@ def test_a_claim_holds_while_its_process_lives_and_is_taken_over_after(tmp_path:
         assert store.claim_run(start("a"), me).taken_from.host == "elsewhere"
 
         # Recording the result drops the claim in the same transaction; a finished run is done.
-        from tests.lab.test_lab_store import result
         store.finish_run("a", result(), final_val_loss=2.0, final_val_bpb=1.0, runs_at_once=1)
         assert store.claims() == {} and store.claim_run(start("a"), me).state == "done"
 

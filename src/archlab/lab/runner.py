@@ -594,6 +594,8 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally:
     """
     error: BaseException | None = None
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    # Workers are spawned by pool.submit in this (the main) thread, and none is replaced while the
+    # pool runs (no max_tasks_per_child): PR_SET_PDEATHSIG fires when the spawning *thread* ends.
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=die_with_parent,
                                 initargs=(os.getpid(),)) as pool:
         pending: dict[cf.Future[RunEnd], tuple[PlannedRun, TaskID]] = {}
