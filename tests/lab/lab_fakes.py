@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -35,16 +36,21 @@ def fake_loss(cfg: RunConfig, step: int) -> float:
 
 
 class FakeTrainer:
-    """Callable with ``train``'s signature; records every call as (run directory name, first step).
+    """Callable with ``train``'s signature; records every call as (run directory name, first step),
+    and with ``log`` appends ``[name, first step, pid]`` to that file (shared by processes).
 
-    ``hang_at=(name_prefix, step)``: in the first run whose directory name starts with the prefix,
-    after the checkpoint at ``step``, touch ``hang_marker`` and sleep (a test then kills the
-    process). ``diverge``: labels whose runs raise ``TrainingDiverged``.
+    ``hang_at=(name_prefix, step)``: in the runs whose directory name starts with the prefix (""
+    for every run), after the checkpoint at ``step``, append "name pid" to ``hang_marker`` and
+    sleep (a test then kills the process). ``diverge``: labels whose runs raise
+    ``TrainingDiverged``. ``hold_until``: every run waits, once logged, until that file exists
+    (a test's gate). ``step_delay``: seconds per step, for runs that overlap in time.
     """
 
     def __init__(self, log: Path | None = None, hang_at: tuple[str, int] | None = None,
-                 hang_marker: Path | None = None, diverge: tuple[str, ...] = ()) -> None:
+                 hang_marker: Path | None = None, diverge: tuple[str, ...] = (),
+                 hold_until: Path | None = None, step_delay: float = 0.0) -> None:
         self.log, self.hang_at, self.hang_marker, self.diverge = log, hang_at, hang_marker, diverge
+        self.hold_until, self.step_delay = hold_until, step_delay
         self.calls: list[tuple[str, int]] = []
 
     def __call__(self, cfg: RunConfig, out_dir: Path, *, resume: bool = True, progress: Any = None,
@@ -58,8 +64,10 @@ class FakeTrainer:
             step, val, train = state["step"], state["val"], state["train"]
         self.calls.append((out.name, step))
         if self.log is not None:
-            with open(self.log, "a") as f:
-                f.write(json.dumps([out.name, step]) + "\n")
+            with open(self.log, "a") as f:  # one short append: whole lines even with several writers
+                f.write(json.dumps([out.name, step, os.getpid()]) + "\n")
+        while self.hold_until is not None and not self.hold_until.exists():
+            time.sleep(0.02)
         if any(out.name.startswith(f"{label}-") for label in self.diverge):
             raise TrainingDiverged(f"training diverged: loss is nan at step {step}")
         task = progress.add_task(out.name, total=tc.steps, completed=step) if progress is not None else None
@@ -67,6 +75,8 @@ class FakeTrainer:
         while step < tc.steps and (stop_after_steps is None or done < stop_after_steps):
             step += 1
             done += 1
+            if self.step_delay:
+                time.sleep(self.step_delay)
             tokens = step * tc.tokens_per_step
             if step % tc.log_every == 0 or step == tc.steps:
                 train.append({"step": step, "tokens": tokens, "loss": fake_loss(cfg, step) + 0.05})
@@ -80,7 +90,8 @@ class FakeTrainer:
                 (ckpt / "latest").write_text(name + "\n")
                 if self.hang_at and out.name.startswith(self.hang_at[0]) and step == self.hang_at[1]:
                     assert self.hang_marker is not None
-                    self.hang_marker.write_text(out.name)
+                    with open(self.hang_marker, "a") as f:
+                        f.write(f"{out.name} {os.getpid()}\n")
                     time.sleep(3600)
             if task is not None:
                 progress.update(task, completed=step)

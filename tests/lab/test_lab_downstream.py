@@ -17,7 +17,7 @@ from archlab.lab.cli import run_compare
 from archlab.lab.plan import build_plan
 from archlab.lab.report import collect, downstream_table, print_report, results_table, write_report
 from archlab.lab.runner import RUNS_DIR, run_suite
-from archlab.lab.store import DB_NAME, ResultStore
+from archlab.lab.store import DB_NAME, SCHEMA_VERSION, ResultStore
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import (DOWNSTREAM_EVAL, SUITE_YAML, FakeEval, FakeTrainer, fake_costs, write_suite,
                                  write_tasks)
@@ -194,7 +194,7 @@ def test_downstream_rows_are_immutable_and_of_finished_runs_only(tmp_path: Path)
         first = plan.runs[0].run_id
         with pytest.raises(sqlite3.IntegrityError):  # the same (run, task, limit) twice
             store.add_downstream(first, {"piqa": {"acc": 0.1, "acc_stderr": 0.1, "n": 5}}, limit=5)
-        runner._start_row(store, plan, plan.runs[1], "rev")
+        store.start_run(runner._job(plan, plan.runs[1], "rev", None).start)
         with pytest.raises(sqlite3.IntegrityError, match="belong to a finished run"):
             store.add_downstream(plan.runs[1].run_id, {"piqa": {"acc": 0.1, "acc_stderr": 0.1, "n": 5}}, limit=5)
     raw = sqlite3.connect(plan.out_dir / DB_NAME)
@@ -205,12 +205,14 @@ def test_downstream_rows_are_immutable_and_of_finished_runs_only(tmp_path: Path)
 
 
 def _downgrade_to_v1(db: Path) -> None:
-    """Turn a database into what archlab wrote before schema v2: no downstream table, and a plan
-    whose suite has no downstream keys."""
+    """Turn a database into what archlab wrote before schema v2: no downstream table (nor v3's
+    claims and runs_at_once), and a plan whose suite has no downstream keys."""
     import json
 
     raw = sqlite3.connect(db, isolation_level=None)
     raw.execute("DROP TABLE downstream")  # its triggers go with it
+    raw.execute("DROP TABLE claims")
+    raw.execute("ALTER TABLE runs DROP COLUMN runs_at_once")
     plan = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
     for key in ("tasks", "task_dir", "limit"):
         del plan["suite"]["eval"][key]
@@ -231,7 +233,7 @@ def test_a_v1_database_migrates_reports_and_gets_its_evaluations(tmp_path: Path)
     md, _ = write_report(plan.out_dir)  # opens (and migrates) the old file and reports it
     assert "| lower-init |" in md.read_text() and "Downstream" not in md.read_text() and before > 0
     raw = sqlite3.connect(plan.out_dir / DB_NAME)
-    assert raw.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     raw.close()
     print_report(plan.out_dir, quiet())
 

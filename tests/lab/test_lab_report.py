@@ -121,3 +121,41 @@ def test_report_of_a_suite_in_progress(tmp_path: Path) -> None:
     text = md.read_text()
     assert "| same | 0/2 |" in text and "pending" in text and "not available" in text
     assert html.read_text().count("data:image/png;base64,") == len(FIGURES)
+
+
+def test_counts_read_in_the_singular_and_devices_say_what_they_are(tmp_path: Path) -> None:
+    """One seed, one thread, one run read as such (no "1 seeds"), and the device line names each
+    distinct device with the runs it trained."""
+    from dataclasses import replace
+
+    from archlab.lab.fmt import plural
+    from archlab.lab.report import COSTS_NOTE, costs_table, device_text, devices_fact, fig_curves
+
+    assert (plural(1, "seed"), plural(2, "seed"), plural(0, "run")) == ("1 seed", "2 seeds", "0 runs")
+    assert plural(2, "process", "processes") == "2 processes"
+    assert device_text("cpu (x86_64, 1 threads)") == "cpu (x86_64), 1 thread per run"
+    assert device_text("cpu (aarch64, 16 threads)") == "cpu (aarch64), 16 threads per run"
+    assert device_text("NVIDIA H200") == "NVIDIA H200"
+
+    plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
+    with ResultStore(plan.out_dir / DB_NAME) as store:
+        run_suite(plan, store, list(plan.runs[:3]), train_fn=FakeTrainer(),
+                  console=Console(file=open(os.devnull, "w")))
+        data = collect(store)
+    rows = [replace(r, device=d) for r, d in zip(data.rows, ["cpu (x86_64, 1 threads)", "cpu (x86_64, 2 threads)",
+                                                           "cpu (x86_64, 2 threads)"])]
+    assert devices_fact(rows) == ("Devices: cpu (x86_64), 1 thread per run (1 run); "
+                                  "cpu (x86_64), 2 threads per run (2 runs)")
+    assert devices_fact(rows[1:]) == "Device: cpu (x86_64), 2 threads per run (2 runs)"
+
+    legend = [t.get_text() for t in fig_curves(data).axes[1].get_legend().get_texts()]
+    assert legend == ["llama (1 seed)", "lower-init (1 seed)", "same (1 seed)"]
+    header, table = costs_table(data)
+    at_once = header.index("runs at once")
+    assert "train tokens/s (see note)" in header and [r[at_once] for r in table] == ["1", "1", "1"]
+
+    md = write_report(plan.out_dir)[0].read_text()
+    assert COSTS_NOTE in md and "not comparable" in COSTS_NOTE
+    assert "Device: fake-cpu (3 runs)" in md and "last 2 evaluations" in md and "over 2 variants" in md
+    for wrong in ("1 seeds", "1 threads", "1 runs", "variant(s)"):
+        assert wrong not in md

@@ -203,13 +203,17 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path: Path) -> None:
     assert summary.startswith("5 of 7 runs to train") and "measured" in summary
 
 
-def test_one_compare_per_suite_directory(tmp_path: Path) -> None:
+def test_compares_share_a_suite_directory_but_no_resume_runs_alone(tmp_path: Path) -> None:
     with suite_lock(tmp_path):
-        with pytest.raises(ArchlabError, match="another archlab compare"):
+        with suite_lock(tmp_path):  # a second compare joins (run claims keep them apart)
+            pass
+        with pytest.raises(ArchlabError, match="another archlab compare is running.*--no-resume would move"):
+            with suite_lock(tmp_path, exclusive=True):
+                pass
+    with suite_lock(tmp_path, exclusive=True):  # released
+        with pytest.raises(ArchlabError, match="another archlab compare is starting .* over"):
             with suite_lock(tmp_path):
                 pass
-    with suite_lock(tmp_path):  # released
-        pass
 
 
 def test_parallel_jobs_give_the_sequential_results(tmp_path: Path) -> None:
@@ -260,3 +264,67 @@ def test_recipe_data_is_prepared_from_the_recipe(tmp_path: Path, monkeypatch: py
     assert opened == [("shakespeare", 2_000_000)]
     assert prep.calls == [dict(source="<shakespeare source>", max_bytes=None, vocab_size=4096,
                                out_dir=tmp_path.resolve() / "o" / "data" / "shakespeare-2MB-v4096")]
+
+
+def _eta_shown(progress) -> str:
+    """What the suite's bar shows in its ETA column right now."""
+    from archlab.lab.runner import EtaColumn
+
+    column = next(c for c in progress.columns if isinstance(c, EtaColumn))
+    task = next(t for t in progress.tasks if "eta" in t.fields)
+    return column.render(task).plain
+
+
+def test_suite_eta_from_tokens_left_and_rates(tmp_path: Path) -> None:
+    """The suite's ETA is the tokens still to train over the expected rates: the suite's
+    estimate before anything is measured, shared by the runs trained at once; measured rates
+    once runs finish; a resumed run counts only what it has left."""
+    from archlab.lab.runner import SuiteEta
+
+    suite_file = write_suite(tmp_path)
+    suite_file.write_text(suite_file.read_text() + "estimate: {tokens_per_s: 2048}\n")
+    plan = build_plan(load_suite(suite_file), tmp_path / "o", costs_fn=fake_costs)
+    runs = list(plan.runs)
+    assert SuiteEta(plan, {}, runs, jobs=1).estimate() == pytest.approx(7 * 81920 / 2048)  # 280 s
+    assert SuiteEta(plan, {}, runs, jobs=2).estimate() == pytest.approx(7 * 81920 / 2048 / 2)
+    assert SuiteEta(plan, {}, runs, jobs=8).estimate() == pytest.approx(81920 / 2048)  # 7 at once
+    run_dir = plan.out_dir / RUNS_DIR / runs[0].run_id  # half of the first run logged: resumed
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "tokens": 40960,
+                                                       "loss": 3.0, "tokens_per_s": 4096.0}) + "\n")
+    eta = SuiteEta(plan, {}, runs, jobs=1)
+    # the live llama rate (4096 tok/s) replaces the estimate for llama and scales to the others
+    assert eta.estimate() == pytest.approx(40960 / 4096 + 2 * 81920 / 4096 + 4 * 81920 / 4096)
+    assert eta.seconds() == pytest.approx(eta.estimate(), abs=0.5)
+    for run in runs:
+        eta.ended(run, None)
+    assert eta.seconds() == 0.0
+
+    # Without any estimate: unknown until the first run has measured a rate.
+    plain = build_plan(load_suite(write_suite(tmp_path, name="plain.yaml")), tmp_path / "p", costs_fn=fake_costs)
+    assert SuiteEta(plain, {}, list(plain.runs), jobs=1).estimate() is None
+
+
+def test_the_suite_bar_shows_an_eta_while_it_trains(tmp_path: Path) -> None:
+    """Through run_suite: the ETA the bar shows whenever a run starts is a time, not -:--:--;
+    without an estimate in the suite, from the first measured run on."""
+    seen: list[str] = []
+    inner = FakeTrainer()
+
+    def spy(cfg, out_dir, **kw):
+        seen.append(_eta_shown(kw["progress"]))
+        return inner(cfg, out_dir, **kw)
+
+    suite_file = write_suite(tmp_path)
+    suite_file.write_text(suite_file.read_text() + "estimate: {tokens_per_s: 2048}\n")
+    plan = build_plan(load_suite(suite_file), tmp_path / "o", costs_fn=fake_costs)
+    with ResultStore(plan.out_dir / DB_NAME) as store:
+        run_suite(plan, store, list(plan.runs), train_fn=spy, console=quiet())
+    assert seen[0] in ("0:04:40", "0:04:39")  # 7 runs x 81920 tokens at 2048 tokens/s
+    assert all(s != "-:--:--" for s in seen) and len(seen) == 7
+
+    seen.clear()
+    plan = build_plan(load_suite(write_suite(tmp_path, name="plain.yaml")), tmp_path / "p", costs_fn=fake_costs)
+    with ResultStore(plan.out_dir / DB_NAME) as store:
+        run_suite(plan, store, list(plan.runs), train_fn=spy, console=quiet())
+    assert seen[0] == "-:--:--" and all(s != "-:--:--" for s in seen[1:])

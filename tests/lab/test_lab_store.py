@@ -105,7 +105,8 @@ def test_migrates_a_v1_database(tmp_path: Path) -> None:
     for stmt in _SCHEMA_V1:
         raw.execute(stmt)
     raw.execute(f"ATTACH DATABASE '{tmp_path / 'scratch.sqlite'}' AS old")
-    raw.execute("INSERT INTO main.runs SELECT * FROM old.runs")
+    v1_columns = ", ".join(r[1] for r in raw.execute("PRAGMA main.table_info(runs)"))
+    raw.execute(f"INSERT INTO main.runs SELECT {v1_columns} FROM old.runs")
     raw.execute("INSERT INTO main.meta SELECT * FROM old.meta")
     raw.execute("DETACH DATABASE old")
     raw.execute("PRAGMA user_version = 1")
@@ -123,7 +124,7 @@ def test_migrates_a_v1_database(tmp_path: Path) -> None:
         assert d.source == "/t/piqa.jsonl"
         assert store.integrity_ok()
     raw = sqlite3.connect(db)
-    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     with pytest.raises(sqlite3.IntegrityError, match="never"):
         raw.execute("UPDATE runs SET final_val_loss = 0 WHERE run_id = 'a'")  # v1's triggers still hold
     raw.close()

@@ -119,6 +119,20 @@ def test_downstream_eval_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert [r.run_id for r in with_tasks.runs] == [r.run_id for r in without.runs]
 
 
+def test_float_spellings_and_null_defaults(tmp_path: Path) -> None:
+    """Suite files read numbers as configs do: ``5e-2`` (a string to PyYAML) is a float; a key
+    written without a value keeps its default."""
+    text = (SUITE_YAML.replace("eval: {last_k: 2}", "eval: {last_k: 2, alpha: 5e-2, every:}")
+            + "estimate: {tokens_per_s: 9e3}\ncosts:\n  context:\n")
+    suite = load_suite(write_suite(tmp_path, text))
+    assert suite.eval.alpha == 0.05 and isinstance(suite.eval.alpha, float)
+    assert suite.tokens_per_s == 9000.0 and suite.eval.every is None
+    assert suite.costs.context is None and suite.costs.dtype_bytes == 2
+    managed = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
+        "budget:", "data: {source: stdlib, max_mb: 25e-1}\nbudget:")
+    assert load_suite(write_suite(tmp_path, managed)).data.max_mb == 2.5
+
+
 def test_select_variants(tmp_path: Path) -> None:
     plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
     assert {r.label for r in select(plan, ["same"])} == {"llama", "same"}
@@ -155,6 +169,16 @@ BAD = [
     (_with_eval("limit: 10"), "eval.limit: applies to eval.tasks"),
     (_with_eval("task_dir: olmo"), "eval.task_dir: applies to eval.tasks"),
     (_with_eval("taks: [piqa]"), "eval.taks: unknown key; allowed here: every, batches, last_k, alpha, tasks"),
+    (SUITE_YAML.replace("match: iso-token", "mach: iso-token"), "budget.mach: unknown key; allowed here: tokens, match"),
+    (SUITE_YAML.replace("baseline: [0, 1, 2]", "baseline: [0, one]"), "seeds.baseline[1]: expected int, got 'one'"),
+    (SUITE_YAML.replace("baseline: [0, 1, 2]", "baseline: [0, -1]"), "seeds.baseline: expected a non-empty list"),
+    (_with_eval("alpha: 5e+1"), "eval.alpha: must be in (0, 1), got 50.0"),
+    (_with_eval("alpha: lots"), "eval.alpha: expected float, got 'lots'"),
+    (SUITE_YAML.replace("budget: {tokens: 81920, match: iso-token}", "budget: {match: iso-token}"),
+     "budget.tokens: is required"),
+    (SUITE_YAML + "costs: {dtype_bytes: 0}\n", "costs.dtype_bytes: must be positive, got 0"),
+    (SUITE_YAML + "estimate: 9000\n", "estimate: expected a mapping, got 9000"),
+    ("- a\n- list\n", "must hold a mapping at the top level"),
 ]
 
 

@@ -5,7 +5,8 @@ Layers, each usable on its own:
 * ``suite``  - suite YAML files (built-in ones in ``archlab/suites/``) -> ``Suite``
 * ``plan``   - a ``Suite`` -> every run's validated config, budget, costs and run id
 * ``runner`` - train what is missing, resume what was interrupted, record results
-* ``store``  - the SQLite results database (one row per run)
+* ``store``  - the SQLite results database (one row per run, and the claims of runs in progress)
+* ``claims`` - which process trains a run and whether it still exists; workers die with their parent
 * ``stats``  - noise floor, Welch's t, confidence intervals, Bonferroni verdicts
 * ``report`` - report.md / report.html / console table, from the database alone
 * ``cli``    - the ``compare`` and ``report`` commands

@@ -97,6 +97,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     data preparation (tests use them)."""
     from rich.console import Console
 
+    from archlab.lab.fmt import plural
     from archlab.lab.plan import build_plan, select
     from archlab.lab.report import print_report, write_report
     from archlab.lab.runner import plan_table, run_suite, suite_lock
@@ -110,18 +111,21 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     chosen = None if not args.variants else [v.strip() for v in args.variants.split(",") if v.strip()]
     runs = select(plan, chosen)
     if args.dry_run:
-        rows = {}
+        rows, live = {}, {}
         if (plan.out_dir / DB_NAME).is_file() and not args.no_resume:
             with ResultStore(plan.out_dir / DB_NAME, create=False) as store:
                 rows = {r.run_id: r for r in store.runs()}
-        table, summary = plan_table(plan, runs, rows)
+                live = store.live_claims()
+        table, summary = plan_table(plan, runs, rows, live)
         console.print(table)
         console.print(summary, highlight=False)
         for job in plan.data_jobs:
             if not job.path.exists():
                 console.print(f"will prepare {job.describe()} (vocab {job.vocab_size}) into {job.path}")
         return 0
-    with suite_lock(plan.out_dir):
+    # Shared: other compares may work on this suite directory too (run claims keep them apart);
+    # --no-resume moves results aside, so it runs alone.
+    with suite_lock(plan.out_dir, exclusive=args.no_resume):
         if args.no_resume:
             _start_over(plan.out_dir, args.force, console)
         with ResultStore(plan.out_dir / DB_NAME) as store:
@@ -129,8 +133,11 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
                                 jobs=getattr(args, "jobs", 1))
         md, html = write_report(plan.out_dir)
     print_report(plan.out_dir, console)
-    console.print(f"{outcome.finished} runs trained, {outcome.skipped} already done"
+    busy = len(outcome.busy)
+    console.print(f"{plural(outcome.finished, 'run')} trained, {outcome.skipped} already done"
                   + (f", {outcome.diverged} diverged" if outcome.diverged else "")
+                  + (f", {busy} left to the other {'process' if busy == 1 else 'processes'} "
+                     f"training {'it' if busy == 1 else 'them'}" if busy else "")
                   + f"; report: {md} and {html}", highlight=False)
     return 0
 

@@ -20,3 +20,15 @@ def duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def clock(seconds: float) -> str:
+    """``h:mm:ss``, as rich shows times left: ``95 -> '0:01:35'``."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1, 'seed' -> '1 seed'``, ``3, 'seed' -> '3 seeds'`` (``nouns``: an irregular plural)."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"

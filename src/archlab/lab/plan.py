@@ -19,7 +19,8 @@ from typing import Any, Callable, Literal
 from archlab.config import ModelConfig, RunConfig, make_config, parse_override
 from archlab.errors import ConfigError
 from archlab.lab.store import COST_KEYS
-from archlab.lab.suite import Suite, merge
+from archlab.lab.suite import Suite
+from archlab.typed import merge
 
 CostsFn = Callable[..., dict[str, Any]]
 

@@ -15,7 +15,10 @@ import base64
 import html
 import io
 import math
+import os
+import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +31,9 @@ from rich.console import Console
 from rich.table import Table
 
 from archlab.errors import ArchlabError
-from archlab.lab.fmt import si
+from archlab.lab.fmt import plural, si
 from archlab.lab.stats import Comparison, compare, noise_floor
-from archlab.lab.store import DB_NAME, DownstreamRow, ResultStore, RunRow
+from archlab.lab.store import DB_NAME, DownstreamRow, ResultStore, RunRow, display_status
 
 FIGURES = (  # (file, caption); the file stem is the figure's short name
     ("loss_curves.png", "Validation loss against training tokens (training FLOPs under iso-FLOP "
@@ -52,10 +55,11 @@ class LabelSummary:
     planned: int
     finished: list[RunRow]
     diverged: int
-    running: int
+    running: int  # being trained now (a live claim)
     costs: dict[str, Any]
     comparison: Comparison | None
     downstream: dict[str, list[DownstreamRow]] = field(default_factory=dict)  # task -> one per seed
+    interrupted: int = 0  # started, not finished, and the process training it is gone
 
     @property
     def losses(self) -> list[float]:
@@ -77,6 +81,15 @@ class LabelSummary:
     def tokens_per_s(self) -> float | None:
         rates = [r.tokens_per_s for r in self.finished if r.tokens_per_s]
         return statistics.median(rates) if rates else None
+
+    @property
+    def runs_at_once(self) -> str:
+        """How many runs shared the host while this label's runs trained: one value, a range
+        over the seeds, or ``-`` when no finished run recorded it."""
+        known = sorted({r.runs_at_once for r in self.finished if r.runs_at_once})
+        if not known:
+            return "-"
+        return str(known[0]) if len(known) == 1 else f"{known[0]}-{known[-1]}"
 
     def task_mean(self, task: str) -> float | None:
         """Mean over seeds of the task's headline metric (acc_norm, or acc for LAMBADA)."""
@@ -127,6 +140,7 @@ def collect(store: ResultStore) -> ReportData:
     if plan is None:
         raise ArchlabError(f"{store.path} holds no suite plan (run archlab compare first)")
     by_id = {r.run_id: r for r in store.runs()}
+    live = store.live_claims()
     planned = plan["runs"]
     suite = plan["suite"]
     n_tests = max(1, len(suite["variants"]))
@@ -151,7 +165,8 @@ def collect(store: ResultStore) -> ReportData:
             comp = compare(base_losses, losses, n_tests, alpha)
         return LabelSummary(label=label, role=mine[0]["role"], planned=len(mine), finished=done,
                             diverged=sum(r.status == "diverged" for r in got),
-                            running=sum(r.status == "running" for r in got),
+                            running=sum(display_status(r, live) == "running" for r in got),
+                            interrupted=sum(display_status(r, live) == "interrupted" for r in got),
                             costs=mine[0]["costs"], comparison=comp,
                             downstream={t: [evals[r.run_id][t] for r in done if t in evals.get(r.run_id, {})]
                                         for t in tasks})
@@ -239,7 +254,7 @@ def costs_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     ctx = data.plan["runs"][0]["cost_context"]
     header = ["variant", "params total", "params active", "train FLOPs/tok", "prefill FLOPs/tok",
               "decode FLOPs/tok", "KV bytes/tok", f"decode bytes/step (ctx {ctx})",
-              "train tokens/s", "tokens/run"]
+              "train tokens/s (see note)", "runs at once", "tokens/run"]
     out = []
     for s in data.summaries:
         c = s.costs
@@ -247,7 +262,7 @@ def costs_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
         out.append([s.label, si(c["params_total"]), si(c["params_active"]),
                     si(c["train_flops_per_token"]), si(c["prefill_flops_per_token"]),
                     si(c["decode_flops_per_token"]), si(c["kv_bytes_per_token"], "B"),
-                    si(c["decode_bytes_per_step"], "B"), si(s.tokens_per_s),
+                    si(c["decode_bytes_per_step"], "B"), si(s.tokens_per_s), s.runs_at_once,
                     ", ".join(si(t) for t in sorted(tokens))])
     return header, out
 
@@ -258,9 +273,9 @@ def overview(data: ReportData) -> list[str]:
     done = sum(len(x.finished) for x in data.summaries)
     planned = sum(x.planned for x in data.summaries)
     running = sum(x.running for x in data.summaries)
+    interrupted = sum(x.interrupted for x in data.summaries)
     diverged = sum(x.diverged for x in data.summaries)
     revisions = sorted({r.code_revision for r in data.rows})
-    devices = sorted({r.device for r in data.rows if r.device})
     floor = (f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)"
              if data.floor is not None else "not available (needs at least 2 finished baseline seeds)")
     seeds = s["seeds"]
@@ -271,12 +286,36 @@ def overview(data: ReportData) -> list[str]:
         f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
         + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run"),
         f"Runs: {done} of {planned} finished" + (f", {running} running" if running else "")
+        + (f", {interrupted} interrupted (the process training {'it' if interrupted == 1 else 'them'} "
+           "is gone; compare resumes from the last checkpoint)" if interrupted else "")
         + (f", {diverged} diverged" if diverged else ""),
         f"Noise floor: {floor}",
-        f"Final loss = mean of the last {s['eval']['last_k']} evaluations; significance: "
-        f"Bonferroni over {data.n_tests} variant(s) at alpha = {data.alpha}",
-        f"Code revision: {', '.join(revisions) or '-'}; device: {', '.join(devices) or '-'}",
+        f"Final loss = mean of the last {plural(s['eval']['last_k'], 'evaluation')}; significance: "
+        f"Bonferroni over {plural(data.n_tests, 'variant')} at alpha = {data.alpha}",
+        f"Code revision: {', '.join(revisions) or '-'}",
+        devices_fact(data.rows),
     ] + ([_downstream_fact(data)] if data.tasks else [])
+
+
+_CPU_DEVICE = re.compile(r"^cpu \((?P<arch>[^,()]+), (?P<threads>\d+) threads?\)$")
+
+
+def device_text(device: str) -> str:
+    """A trainer's device name as a person reads it: ``cpu (x86_64, 2 threads)`` (torch's CPU
+    threads per run) becomes ``cpu (x86_64), 2 threads``, pluralised; GPU names as they are."""
+    m = _CPU_DEVICE.match(device)
+    if m is None:
+        return device
+    return f"cpu ({m['arch']}), {plural(int(m['threads']), 'thread')} per run"
+
+
+def devices_fact(rows: list[RunRow]) -> str:
+    """What trained the runs: each distinct device with its number of runs."""
+    counts = Counter(device_text(r.device) for r in rows if r.device)
+    if not counts:
+        return "Device: -"
+    parts = [f"{d} ({plural(n, 'run')})" for d, n in sorted(counts.items())]
+    return f"Device{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}"
 
 
 def _downstream_fact(data: ReportData) -> str:
@@ -295,6 +334,16 @@ METHOD_NOTE = (
     "observation against a sample, assuming equal seed noise). The 95% CI uses the test's "
     "standard error and degrees of freedom and is not adjusted; p adj = min(1, p × number of "
     "variants) (Bonferroni), and a variant is better or worse only if p adj < alpha."
+)
+
+
+COSTS_NOTE = (
+    "Train tokens/s: end-to-end training throughput of one run (its tokens over its wall time, "
+    "evaluations and checkpoints included), median over the variant's finished seeds. It depends "
+    "on what else the machine was doing: runs at once is the most runs this host was training at "
+    "the same time while a run trained (compare --jobs, other compares sharing the host; sampled, "
+    "- where not recorded), so rates measured under a different load or on another device (see "
+    "the device line) are not comparable. The FLOP and byte columns are computed, not measured."
 )
 
 
@@ -351,7 +400,7 @@ def fig_curves(data: ReportData) -> Figure:
         plotted = True
         keep = x >= x[-1] / 2
         for ax, m in ((full, np.ones_like(keep)), (tail, keep)):
-            ax.plot(x[m], mean[m], color=color, lw=1.6, label=f"{s.label} ({len(s.finished)} seeds)")
+            ax.plot(x[m], mean[m], color=color, lw=1.6, label=f"{s.label} ({plural(len(s.finished), 'seed')})")
             ax.fill_between(x[m], lo[m], hi[m], color=color, alpha=0.18, lw=0)
     if not plotted:
         _empty(full, "no finished runs yet")
@@ -445,6 +494,14 @@ th{background:#f3f3f3}td{text-align:right}td:first-child,td:last-child{text-alig
 figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555;font-size:14px}"""
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file and a rename: compares sharing a suite directory may write
+    its report at the same moment, and a reader must see one whole report, not two interleaved."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     """Write report.md (+ PNGs) and report.html into the suite directory ``out_dir``."""
     out = Path(out_dir)
@@ -456,27 +513,28 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
         tables.append(("Downstream", *downstream_table(data)))
     pngs = {name: _png(fn(data)) for (name, _), fn in zip(FIGURES, (fig_curves, fig_diffs, fig_tradeoff))}
     for name, blob in pngs.items():
-        (out / name).write_bytes(blob)
+        _write_atomic(out / name, blob)
     facts = overview(data)
     desc = data.suite["description"]
 
+    notes = {"Costs": COSTS_NOTE, "Downstream": DOWNSTREAM_NOTE}
     md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
     for name, header, rows in tables:
         md += [f"## {name}", "", _md_table(header, rows), ""]
-        if name == "Downstream":
-            md += [DOWNSTREAM_NOTE, ""]
+        if name in notes:
+            md += [notes[name], ""]
     md += [METHOD_NOTE, "", "## Figures", ""]
     for name, caption in FIGURES:
         md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
     md_path = out / "report.md"
-    md_path.write_text("\n".join(md))
+    _write_atomic(md_path, "\n".join(md).encode())
 
     body = [f"<h1>{html.escape(title)}</h1>"] + ([f"<p>{html.escape(desc)}</p>"] if desc else [])
     body.append("<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")
     for name, header, rows in tables:
         body += [f"<h2>{name}</h2>", _html_table(header, rows)]
-        if name == "Downstream":
-            body.append(f"<p>{html.escape(DOWNSTREAM_NOTE)}</p>")
+        if name in notes:
+            body.append(f"<p>{html.escape(notes[name])}</p>")
     body += [f"<p>{html.escape(METHOD_NOTE)}</p>", "<h2>Figures</h2>"]
     for name, caption in FIGURES:
         b64 = base64.b64encode(pngs[name]).decode()
@@ -485,7 +543,7 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
     html_path = out / "report.html"
-    html_path.write_text(page, encoding="utf-8")
+    _write_atomic(html_path, page.encode("utf-8"))
     return md_path, html_path
 
 

@@ -6,11 +6,31 @@ with ``resume=True`` in its own directory, so an interrupted run continues from 
 checkpoint. A row is marked finished in one transaction after the trainer returns, so a kill at
 any moment leaves either a finished row or a resumable run, never a half-recorded result.
 
+Every run is *claimed* by the process that trains it (``ResultStore.claim_run``: its pid, host
+and start time, taken in the same transaction that creates or resumes the row, released by the
+one that records the result). A claim whose process is gone (killed, machine rebooted) is taken
+over by the next ``compare``; a live one is left alone: the run is skipped and reported as being
+trained elsewhere, never trained twice. So several ``compare`` processes may work on one suite
+directory at once (the suite lock is shared; only ``--no-resume`` takes it alone), and with
+``--jobs N`` the claims are the workers' own: a worker that outlived its parent could not train
+a run that a re-run has claimed, and workers do not outlive it anyway (``die_with_parent``).
+
+Two machines can split a suite the same way: both run the same ``archlab compare SUITE --out
+DIR`` on one shared suite directory, and each trains the runs nobody has claimed. A pid means
+nothing on another host, so a claim from another machine counts as live while its holder's
+heartbeat is fresh (refreshed every 30 s; gone after 5 minutes of silence); a machine that dies
+leaves its runs to the other one after that, resumed from the checkpoints in the shared run
+directories. The limit is SQLite's: the results database is in WAL mode, which needs every
+process that opens it to share memory with the others, so the directory must be on a filesystem
+those processes see as local, e.g. one host's disk mounted into several containers or VMs on that
+host. A network filesystem (NFS, SMB) does not qualify: SQLite documents WAL as unsupported there
+and the database can be corrupted.
+
 Downstream evaluation (a suite's ``eval.tasks``) runs in this process right after a run is
 recorded finished, on the run's final checkpoint, and is stored in one more transaction (the
 ``downstream`` table). Whatever a run lacks for the suite's current tasks and item limit (an
 evaluation interrupted by a kill, or tasks added to the suite later) is evaluated on the next
-``compare`` before any training, without retraining.
+``compare`` before any training, without retraining. Evaluations are claimed too.
 """
 
 from __future__ import annotations
@@ -18,14 +38,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import fcntl
 import json
+import math
 import multiprocessing
 import os
 import statistics
 import subprocess
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol
 
 from rich import box
 from rich.console import Console
@@ -37,9 +60,11 @@ from rich.text import Text
 import archlab
 from archlab.config import RunConfig
 from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
-from archlab.lab.fmt import duration, si
+from archlab.lab.claims import Owner, die_with_parent
+from archlab.lab.fmt import clock, duration, si
 from archlab.lab.plan import DataJob, Plan, PlannedRun
-from archlab.lab.store import ResultStore, RunRow, RunStart, TrainOutcome
+from archlab.lab.store import (Heartbeat, ResultStore, RunRow, RunStart, TrainOutcome, display_status,
+                               downstream_key)
 
 RUNS_DIR = "runs"
 
@@ -69,6 +94,7 @@ class SuiteOutcome:
     finished: int  # finished in this call
     diverged: int  # diverged in this call
     interrupted: str | None  # run id left unfinished by stop_after_steps, if any
+    busy: tuple[str, ...] = ()  # run ids skipped: a live process elsewhere is training them
 
 
 def _real_train() -> TrainFn:
@@ -138,21 +164,55 @@ def is_done(row: RunRow | None) -> bool:
     return row is not None and row.status in ("finished", "diverged")
 
 
+
+
 @contextmanager
-def suite_lock(out_dir: Path) -> Iterator[None]:
-    """One ``compare`` per suite directory: two would train the same run into one directory."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+def _flock_blocking(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ArchlabError(f"another archlab compare is running in {out_dir}") from None
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
 
 
+@contextmanager
+def suite_lock(out_dir: Path, *, exclusive: bool = False) -> Iterator[None]:
+    """Held by every ``compare`` of a suite directory while it runs. Shared: compares may run at
+    once, the run claims keep them off each other's runs. ``exclusive`` for ``--no-resume``,
+    which moves results and run directories aside and must not do that under a running compare."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if exclusive:
+                raise ArchlabError(f"another archlab compare is running in {out_dir}; --no-resume would "
+                                   "move its results from under it") from None
+            raise ArchlabError(f"another archlab compare is starting {out_dir} over (--no-resume); "
+                               "run this one when it has finished") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _prepare_missing(plan: Plan, todo: list[PlannedRun], prepare_fn: PrepareFn | None, console: Console) -> None:
+    """Prepare the corpora the runs to train need. Under a lock: compares sharing the suite
+    directory prepare each corpus once (the others wait, then find it there)."""
+    needed = {Path(r.config.data.path) for r in todo}
+    jobs = [job for job in plan.data_jobs if job.path in needed and not job.path.exists()]
+    if not jobs:
+        return
+    with _flock_blocking(plan.out_dir / ".data.lock"):
+        for job in jobs:
+            if job.path.exists():
+                continue
+            console.print(f"preparing {job.describe()} (vocab {job.vocab_size}) into {job.path}")
+            prepare_job(job, prepare_fn)
+
+
+# ---- progress --------------------------------------------------------------------------------
 class _FieldsColumn(ProgressColumn):
     """Shows whatever live fields a task carries (the trainer's loss and tokens/s) without
     requiring them, so the suite's own task and any trainer's task share one display."""
@@ -168,10 +228,177 @@ class _FieldsColumn(ProgressColumn):
         return Text("  ".join(parts))
 
 
+class EtaColumn(ProgressColumn):
+    """Time left. The suite's task carries a ``SuiteEta`` (field ``eta``), since rich's own
+    estimate needs completed units at a steady pace and a suite completes a few runs, hours
+    apart; a run's task gets rich's estimate from its steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_run = TimeRemainingColumn()
+
+    def render(self, task: Task) -> Text:
+        eta = task.fields.get("eta")
+        if not isinstance(eta, SuiteEta):
+            return self.per_run.render(task)
+        seconds = eta.seconds()
+        return Text("-:--:--" if seconds is None else clock(seconds), style="progress.remaining")
+
+
 def make_progress(console: Console) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    _FieldsColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                    _FieldsColumn(), TimeElapsedColumn(), TextColumn("ETA"), EtaColumn(),
                     console=console)
+
+
+class SuiteEta:
+    """The suite's time left: for every run still to train in this call, the tokens it has left
+    over the rate expected for its label (``_rate``: measured in finished runs, else the
+    baseline's scaled by FLOPs, else the suite's ``estimate.tokens_per_s``; failing all, the
+    tokens/s the runs in progress log), divided among the runs trained at once. Estimated anew
+    every ``every`` seconds and at every run's end, counted down in between."""
+
+    def __init__(self, plan: Plan, rows: dict[str, RunRow | None], todo: list[PlannedRun], jobs: int,
+                 every: float = 2.0) -> None:
+        self.plan, self.jobs, self.every = plan, max(1, jobs), every
+        self.rows = {k: v for k, v in rows.items() if v is not None}
+        self.left = {r.run_id: r for r in todo}
+        self._lock = threading.Lock()  # rendered from rich's refresh thread
+        self._at, self._value = -math.inf, None
+
+    def ended(self, run: PlannedRun, row: RunRow | None) -> None:
+        """``run`` is off the list (trained, diverged, stopped or left to another process)."""
+        with self._lock:
+            self.left.pop(run.run_id, None)
+            if row is not None:
+                self.rows[row.run_id] = row
+            self._at = -math.inf
+
+    def seconds(self) -> float | None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._at >= self.every:
+                self._value, self._at = self.estimate(), now
+            value, at = self._value, self._at
+        return None if value is None else max(0.0, value - (now - at))
+
+    def estimate(self) -> float | None:
+        left = list(self.left.values())
+        if not left:
+            return 0.0
+        logged = {r.run_id: _latest_train_record(self.plan.out_dir / RUNS_DIR / r.run_id) for r in left}
+        live: dict[str, list[float]] = {}
+        for r in left:
+            rec = logged[r.run_id]
+            if rec is not None and rec.get("tokens_per_s"):
+                live.setdefault(r.label, []).append(float(rec["tokens_per_s"]))
+        live_rates = {label: statistics.median(v) for label, v in live.items()}
+        total = 0.0
+        for r in left:
+            rate, _ = _rate(self.plan, self.rows, r.label, live_rates)
+            if not rate:
+                return None
+            rec = logged[r.run_id]
+            done = int(rec.get("tokens", 0)) if rec is not None else 0  # resumed runs
+            total += max(0, r.tokens - done) / rate
+        return total / min(self.jobs, len(left))
+
+
+# ---- one run ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Job:
+    """One run to train, as plain data (a worker process receives it pickled)."""
+
+    run: PlannedRun
+    start: RunStart
+    run_dir: Path
+    last_k: int
+    stop_after_steps: int | None
+
+
+def _job(plan: Plan, run: PlannedRun, revision: str, stop_after_steps: int | None) -> _Job:
+    start = RunStart(
+        run_id=run.run_id, suite=plan.suite.name, label=run.label, role=run.role,
+        init_seed=run.init_seed, data_seed=run.data_seed, config=run.config.to_dict(),
+        config_hash=run.config_hash, code_revision=revision, planned_tokens=run.tokens,
+        planned_steps=run.steps, costs=run.costs, cost_context=run.cost_context)
+    return _Job(run=run, start=start, run_dir=plan.out_dir / RUNS_DIR / run.run_id,
+                last_k=plan.suite.eval.last_k, stop_after_steps=stop_after_steps)
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How one attempt at a run ended, and the line that says so. ``stopped``: short of its
+    steps (``stop_after_steps``), resumable; ``busy``: a live process elsewhere holds its claim;
+    ``done``: finished or diverged by another process before this one could claim it."""
+
+    kind: Literal["finished", "diverged", "stopped", "busy", "done"]
+    message: str
+    row: RunRow | None = None  # the recorded row, when this attempt recorded one
+
+
+def _release_quietly(store: ResultStore, key: str, owner: Owner) -> None:
+    """Release on the way out of a failure; if even that fails, the claim goes stale with this
+    process, which is the same outcome a moment later, so the original error is what matters."""
+    try:
+        store.release(key, owner)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _train_claimed(store: ResultStore, job: _Job, train: Callable[[RunConfig, Path], TrainOutcome]) -> RunEnd:
+    """Claim the run, train it, record how it ended and release the claim: the whole life of
+    one attempt, in the process that trains (this one, or a ``--jobs`` worker)."""
+    run, owner = job.run, Owner.current()
+    name = f"{run.label} seed {run.init_seed}"
+    got = store.claim_run(job.start, owner)
+    if got.state == "done":
+        return RunEnd("done", f"{name}: recorded by another process meanwhile; skipping it")
+    if got.state == "busy":
+        assert got.holder is not None
+        return RunEnd("busy", f"{name}: being trained by {got.holder.describe()}; skipping it")
+    took = "" if got.taken_from is None else f" (taken over from {got.taken_from.describe()}, gone)"
+    with Heartbeat(store.path, owner) as beat:
+        beat.sample(store)
+        try:
+            result = train(run.config, job.run_dir)
+        except TrainingDiverged as e:
+            store.mark_diverged(run.run_id, str(e))  # the same transaction drops the claim
+            return RunEnd("diverged", f"[red]{name} diverged[/red]{took}: {e}", store.get(run.run_id))
+        except BaseException:
+            _release_quietly(store, run.run_id, owner)  # resumable by whoever comes next
+            raise
+        if result.steps < run.steps:
+            store.release(run.run_id, owner)
+            return RunEnd("stopped", f"{name} stopped at step {result.steps} of {run.steps}{took}; "
+                                     "run compare again to continue it")
+        loss, bpb = final_metrics(result.val_curve, job.last_k, (result.final_val_loss, result.final_val_bpb))
+        store.finish_run(run.run_id, result, final_val_loss=loss, final_val_bpb=bpb,
+                         runs_at_once=beat.sample(store))
+    return RunEnd("finished", f"{name}{took}: val loss {loss:.4f} ({bpb:.4f} bits/byte), "
+                              f"{si(result.tokens)} tokens, {result.tokens_per_s:,.0f} tok/s, "
+                              f"{duration(result.wall_s)}", store.get(run.run_id))
+
+
+@dataclass
+class _Tally:
+    skipped: int
+    finished: int = 0
+    diverged: int = 0
+    interrupted: str | None = None
+    busy: list[str] | None = None
+
+    def add(self, run: PlannedRun, end: RunEnd) -> None:
+        self.finished += end.kind == "finished"
+        self.diverged += end.kind == "diverged"
+        self.skipped += end.kind == "done"
+        if end.kind == "busy":
+            self.busy = [*(self.busy or []), run.run_id]
+        if end.kind == "stopped":
+            self.interrupted = self.interrupted or run.run_id
+
+    def outcome(self) -> SuiteOutcome:
+        return SuiteOutcome(self.skipped, self.finished, self.diverged, self.interrupted, tuple(self.busy or ()))
 
 
 def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_fn: TrainFn | None = None,
@@ -184,6 +411,7 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     a run that comes back short of its planned steps stays ``running`` and the suite stops there.
     ``TrainingDiverged`` marks the run diverged (a result: the variant is unstable at this
     setting) and the suite goes on; any other error propagates, leaving the run resumable.
+    A run another live process is training is skipped (``SuiteOutcome.busy``).
     ``jobs > 1`` trains that many runs at once, each in its own process (see ``_run_parallel``).
     With ``eval.tasks`` in the suite, every finished run is evaluated on them (``eval_fn``, by
     default ``evaluate_run``); the task data is read before anything trains.
@@ -192,72 +420,38 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     store.set_meta("plan", plan.meta())
     rows = {r.run_id: store.get(r.run_id) for r in runs}
     todo = [r for r in runs if not is_done(rows[r.run_id])]
-    skipped = len(runs) - len(todo)
-    if skipped:
-        console.print(f"[dim]{skipped} of {len(runs)} runs already done; skipping them[/dim]")
+    tally = _Tally(skipped=len(runs) - len(todo))
+    if tally.skipped:
+        console.print(f"[dim]{tally.skipped} of {len(runs)} runs already done; skipping them[/dim]")
     trained = [r for r in runs if rows[r.run_id] is not None and rows[r.run_id].status == "finished"]
     downstream = _Downstream.open(plan, store, eval_fn, todo, trained)
-    needed = {Path(r.config.data.path) for r in todo}
-    for job in plan.data_jobs:
-        if job.path in needed and not job.path.exists():
-            console.print(f"preparing {job.describe()} (vocab {job.vocab_size}) into {job.path}")
-            prepare_job(job, prepare_fn)
+    _prepare_missing(plan, todo, prepare_fn, console)
     revision = code_revision()
+    parallel = jobs > 1 and len(todo) > 1
+    eta = SuiteEta(plan, {r.run_id: r for r in store.runs()}, todo, jobs if parallel else 1)
     with make_progress(console) as progress:
-        overall = progress.add_task(f"suite {plan.suite.name}", total=len(runs), completed=skipped)
+        overall = progress.add_task(f"suite {plan.suite.name}", total=len(runs), completed=tally.skipped,
+                                    eta=eta)
         if downstream is not None:
             downstream.catch_up(progress)
-        if jobs > 1 and len(todo) > 1:
-            return _run_parallel(plan, store, todo, skipped, revision, progress, overall, train_fn,
-                                 stop_after_steps, jobs, downstream)
+        if parallel:
+            _run_parallel(plan, store, todo, tally, revision, progress, overall, train_fn, stop_after_steps,
+                          jobs, eta, downstream)
+            return tally.outcome()
         train = train_fn or _real_train()
-        finished = diverged = 0
         for run in todo:
             progress.update(overall, description=f"suite {plan.suite.name}: {run.label} seed {run.init_seed}")
-            _start_row(store, plan, run, revision)
-            try:
-                result = train(run.config, plan.out_dir / RUNS_DIR / run.run_id, resume=True,
-                               progress=progress, stop_after_steps=stop_after_steps)
-            except TrainingDiverged as e:
-                _record_diverged(store, run, e, progress, overall)
-                diverged += 1
-                continue
-            if not _record_result(store, plan, run, result, progress, overall):
-                return SuiteOutcome(skipped, finished, diverged, run.run_id)
-            finished += 1
-            if downstream is not None:
+            end = _train_claimed(store, _job(plan, run, revision, stop_after_steps),
+                                 lambda cfg, out: train(cfg, out, resume=True, progress=progress,
+                                                        stop_after_steps=stop_after_steps))
+            eta.ended(run, end.row)
+            _end_run(progress, overall, end.message)
+            tally.add(run, end)
+            if end.kind == "stopped":
+                break
+            if end.kind == "finished" and downstream is not None:
                 downstream.evaluate(run, progress)
-    return SuiteOutcome(skipped, finished, diverged, None)
-
-
-def _start_row(store: ResultStore, plan: Plan, run: PlannedRun, revision: str) -> None:
-    store.start_run(RunStart(
-        run_id=run.run_id, suite=plan.suite.name, label=run.label, role=run.role,
-        init_seed=run.init_seed, data_seed=run.data_seed, config=run.config.to_dict(),
-        config_hash=run.config_hash, code_revision=revision, planned_tokens=run.tokens,
-        planned_steps=run.steps, costs=run.costs, cost_context=run.cost_context))
-
-
-def _record_diverged(store: ResultStore, run: PlannedRun, err: TrainingDiverged, progress: Progress,
-                     overall: TaskID, task: TaskID | None = None) -> None:
-    store.mark_diverged(run.run_id, str(err))
-    _end_run(progress, overall, f"[red]{run.label} seed {run.init_seed} diverged[/red]: {err}", task)
-
-
-def _record_result(store: ResultStore, plan: Plan, run: PlannedRun, result: TrainOutcome, progress: Progress,
-                   overall: TaskID, task: TaskID | None = None) -> bool:
-    """Mark the run finished (True) or, when it stopped short of its steps, leave it resumable."""
-    if result.steps < run.steps:
-        _end_run(progress, overall, f"{run.label} seed {run.init_seed} stopped at step "
-                                    f"{result.steps} of {run.steps}; run compare again to continue it", task)
-        return False
-    loss, bpb = final_metrics(result.val_curve, plan.suite.eval.last_k,
-                              (result.final_val_loss, result.final_val_bpb))
-    store.finish_run(run.run_id, result, final_val_loss=loss, final_val_bpb=bpb)
-    _end_run(progress, overall, f"{run.label} seed {run.init_seed}: val loss {loss:.4f} "
-                                f"({bpb:.4f} bits/byte), {si(result.tokens)} tokens, "
-                                f"{result.tokens_per_s:,.0f} tok/s, {duration(result.wall_s)}", task)
-    return True
+    return tally.outcome()
 
 
 class _Downstream:
@@ -301,8 +495,25 @@ class _Downstream:
                                        f"evaluation[/yellow]: {e}", highlight=False)
 
     def evaluate(self, run: PlannedRun, progress: Progress) -> None:
-        """Evaluate one finished run on the tasks it lacks and store the results together."""
-        missing = _missing(self.store, run, tuple(self.tasks), self.limit)
+        """Evaluate one finished run on the tasks it lacks and store the results together, under
+        a claim (a compare sharing the suite directory may be about to evaluate it too)."""
+        if not _missing(self.store, run, tuple(self.tasks), self.limit):
+            return
+        owner, key = Owner.current(), downstream_key(run.run_id)
+        got = self.store.claim(key, owner)
+        if got.state == "busy":
+            assert got.holder is not None
+            progress.console.print(f"{run.label} seed {run.init_seed} downstream: being evaluated by "
+                                   f"{got.holder.describe()}; skipping it", highlight=False)
+            return
+        try:
+            with Heartbeat(self.store.path, owner):
+                self._evaluate(run, progress)
+        finally:
+            _release_quietly(self.store, key, owner)
+
+    def _evaluate(self, run: PlannedRun, progress: Progress) -> None:
+        missing = _missing(self.store, run, tuple(self.tasks), self.limit)  # again, now it is ours
         if not missing:
             return
         from archlab.eval.harness import n_requests
@@ -328,23 +539,31 @@ def _missing(store: ResultStore, run: PlannedRun, tasks: tuple[str, ...], limit:
     return [t for t in tasks if t not in have]
 
 
+
 def _headline(r: dict[str, Any]) -> str:
     """acc_norm for multiple choice, acc for LAMBADA (what the report shows)."""
     return f"acc_norm {r['acc_norm']:.4f}" if r.get("acc_norm") is not None else f"acc {r['acc']:.4f}"
 
 
-def _train_worker(train_fn: TrainFn | None, cfg: RunConfig, out_dir: Path,
-                  stop_after_steps: int | None) -> TrainOutcome:
-    """One run in a worker process. The parent draws the progress, so the real trainer is quiet."""
+# ---- several runs at once --------------------------------------------------------------------
+def _train_worker(db_path: Path, job: _Job, train_fn: TrainFn | None) -> RunEnd:
+    """One run in a worker process, which claims, trains and records it itself: the claim must
+    name the process that trains. The parent draws the progress, so the trainer is quiet."""
+    stop = job.stop_after_steps
     if train_fn is None:
-        from archlab.train.trainer import train
+        from archlab.train.trainer import train as real_train
 
-        return train(cfg, out_dir, resume=True, stop_after_steps=stop_after_steps, show_progress=False)
-    return train_fn(cfg, out_dir, resume=True, progress=None, stop_after_steps=stop_after_steps)
+        def train(cfg: RunConfig, out: Path) -> TrainOutcome:
+            return real_train(cfg, out, resume=True, stop_after_steps=stop, show_progress=False)
+    else:
+        def train(cfg: RunConfig, out: Path) -> TrainOutcome:
+            return train_fn(cfg, out, resume=True, progress=None, stop_after_steps=stop)
+    with ResultStore(db_path) as store:
+        return _train_claimed(store, job, train)
 
 
 def _latest_train_record(run_dir: Path) -> dict[str, Any] | None:
-    """The last ``train`` line of a run's metrics.jsonl (what a worker has logged so far)."""
+    """The last ``train`` line of a run's metrics.jsonl (what its trainer has logged so far)."""
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -359,34 +578,36 @@ def _latest_train_record(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skipped: int, revision: str,
+def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally: _Tally, revision: str,
                   progress: Progress, overall: TaskID, train_fn: TrainFn | None,
-                  stop_after_steps: int | None, jobs: int, downstream: _Downstream | None = None) -> SuiteOutcome:
+                  stop_after_steps: int | None, jobs: int, eta: SuiteEta,
+                  downstream: _Downstream | None = None) -> None:
     """Train up to ``jobs`` runs at once, each in a fresh (spawned) process.
 
     Small models leave a GPU mostly idle between kernel launches, so several runs side by side
     finish a suite sooner; each run is still exactly the run ``jobs=1`` would train (its own
-    seeds, data order and directory). This process alone writes the database; workers report
-    progress through their metrics.jsonl, which is polled here for the progress bars.
-    Downstream evaluations run in this process too, one at a time, after the finished run's slot
+    seeds, data order and directory). Each worker claims and records its run in the database
+    (``_train_worker``) and dies with this process (``die_with_parent``); workers report progress
+    through their metrics.jsonl, which is polled here for the progress bars.
+    Downstream evaluations run in this process, one at a time, after the finished run's slot
     has gone to the next run (training does not wait for them; the bars pause meanwhile).
     """
-    finished = diverged = 0
-    interrupted: str | None = None
     error: BaseException | None = None
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending: dict[cf.Future[TrainOutcome], tuple[PlannedRun, TaskID]] = {}
+    # Workers are spawned by pool.submit in this (the main) thread, and none is replaced while the
+    # pool runs (no max_tasks_per_child): PR_SET_PDEATHSIG fires when the spawning *thread* ends.
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=die_with_parent,
+                                initargs=(os.getpid(),)) as pool:
+        pending: dict[cf.Future[RunEnd], tuple[PlannedRun, TaskID]] = {}
         queue = list(todo)
 
         def submit() -> None:
             while queue and len(pending) < jobs and error is None:
                 run = queue.pop(0)
-                _start_row(store, plan, run, revision)
                 task = progress.add_task(f"{run.label} seed {run.init_seed}", total=run.steps, loss="-",
                                          tok_s="-")
-                fut = pool.submit(_train_worker, train_fn, run.config, plan.out_dir / RUNS_DIR / run.run_id,
-                                  stop_after_steps)
+                fut = pool.submit(_train_worker, store.path, _job(plan, run, revision, stop_after_steps),
+                                  train_fn)
                 pending[fut] = (run, task)
 
         submit()
@@ -402,22 +623,19 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skippe
             for fut in done:
                 run, task = pending.pop(fut)
                 try:
-                    result = fut.result()
-                except TrainingDiverged as e:
-                    _record_diverged(store, run, e, progress, overall, task)
-                    diverged += 1
-                    continue
+                    end = fut.result()
                 except BaseException as e:  # noqa: BLE001 - re-raised once the running runs end
                     progress.remove_task(task)
+                    eta.ended(run, None)
                     error = error or e
                     continue
-                if _record_result(store, plan, run, result, progress, overall, task):
-                    finished += 1
+                eta.ended(run, end.row)
+                _end_run(progress, overall, end.message, task)
+                tally.add(run, end)
+                if end.kind == "finished":
                     evaluate.append(run)
-                else:
-                    interrupted = interrupted or run.run_id
-            if interrupted is None:
-                submit()
+            if tally.interrupted is None:
+                submit()  # no new run after one stopped short: the session is over
             for run in evaluate:
                 if downstream is None or error is not None:
                     break  # left for the next compare, like an interrupted evaluation
@@ -427,7 +645,6 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], skippe
                     error = e
     if error is not None:
         raise error
-    return SuiteOutcome(skipped, finished, diverged, interrupted)
 
 
 def _end_run(progress: Progress, overall: TaskID, message: str, task: TaskID | None = None) -> None:
@@ -440,12 +657,15 @@ def _end_run(progress: Progress, overall: TaskID, message: str, task: TaskID | N
     progress.console.print(message, highlight=False)
 
 
-def _rate(plan: Plan, rows: dict[str, RunRow], label: str) -> tuple[float | None, str]:
-    """End-to-end tokens/s expected for ``label``: measured when possible, else scaled by FLOPs."""
+# ---- the plan --------------------------------------------------------------------------------
+def _rate(plan: Plan, rows: dict[str, RunRow], label: str,
+          live: dict[str, float] | None = None) -> tuple[float | None, str]:
+    """End-to-end tokens/s expected for ``label``: measured when possible (finished runs, else
+    ``live``: what runs in progress report), else scaled by FLOPs."""
     def measured(lbl: str) -> float | None:
         rates = [r.tokens_per_s for r in rows.values()
                  if r.label == lbl and r.status == "finished" and r.tokens_per_s]
-        return statistics.median(rates) if rates else None
+        return statistics.median(rates) if rates else (live or {}).get(lbl)
 
     own = measured(label)
     if own:
@@ -460,10 +680,13 @@ def _rate(plan: Plan, rows: dict[str, RunRow], label: str) -> tuple[float | None
     return None, "no estimate (set estimate.tokens_per_s in the suite)"
 
 
-def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow]) -> tuple[Table, str]:
+def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow],
+               live: set[str] | dict[str, Any] | None = None) -> tuple[Table, str]:
     """The ``--dry-run`` view: one line per run (label and init seed) with its budget, costs,
     status and time left, plus a one-line summary (total tokens, estimated time and where the
-    estimate comes from)."""
+    estimate comes from). ``live``: the keys of live claims (``ResultStore.live_claims``), which
+    tell a run that is training now (``running``) from one whose process is gone
+    (``interrupted``); None shows the stored status."""
     table = Table(title=f"suite {plan.suite.name}: {len(runs)} runs, budget "
                         f"{si(plan.suite.budget.tokens)} tokens ({plan.suite.budget.match})",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
@@ -472,9 +695,11 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow]) -> t
         left = col in ("run", "status")
         table.add_column(col, justify="left" if left else "right", no_wrap=left)
     total_s, sources, unknown = 0.0, set(), False
+    states: dict[str, int] = {}
     for run in runs:
         row = rows.get(run.run_id)
-        status = row.status if row else "pending"
+        status = "pending" if row is None else row.status if live is None else display_status(row, live)
+        states[status] = states.get(status, 0) + 1
         rate, source = _rate(plan, rows, run.label)
         if is_done(row):
             est = "-"
@@ -498,6 +723,12 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow]) -> t
                f"estimated time {'at least ' if unknown else ''}{duration(total_s)} "
                f"({'; '.join(sorted(sources)) or 'nothing to run'}); decode costs at context "
                f"{runs[0].cost_context if runs else '-'}")
+    if states.get("running"):
+        summary += f"; {states['running']} being trained by a live process now"
+    if states.get("interrupted"):
+        summary += (f"; {states['interrupted']} interrupted (the process training "
+                    f"{'it' if states['interrupted'] == 1 else 'them'} is gone; compare resumes "
+                    f"{'it' if states['interrupted'] == 1 else 'them'} from the last checkpoint)")
     if plan.suite.eval.tasks:
         limit = plan.suite.eval.limit
         summary += (f"; then zero-shot {', '.join(plan.suite.eval.tasks)} on every finished run "

@@ -15,16 +15,27 @@ Invariants, enforced by the database itself (triggers), not only by this code:
   item limit is a new row, so results with other limits stay as they were measured);
 * the schema version lives in ``PRAGMA user_version``; a file from a newer archlab is refused
   rather than misread, and an older one is migrated when opened (``_MIGRATIONS``; each step
-  only adds tables, so nothing already stored changes).
+  only adds tables or nullable columns, so nothing already stored changes).
+
+Claims (``claims``): a run being trained, or a finished run being evaluated downstream, is held by
+the process doing it (``archlab.lab.claims``): taken atomically before the work (with the run's
+row, in one transaction), refreshed by a heartbeat, and released when the work ends: by the very
+transaction that records a run finished or diverged, so a run is always either claimed, or
+recorded, or free to resume. A claim whose process is gone is taken over by the next claimant;
+a live one is respected, so no run is ever trained by two processes at once. A ``running`` row
+without a live claim is a run that was *interrupted* (``display_status``).
 
 Schema versions: v1, the ``runs`` and ``meta`` tables; v2 (downstream evaluation) adds the
-``downstream`` table and its triggers.
+``downstream`` table and its triggers; v3 adds the ``claims`` table and ``runs.runs_at_once``
+(how many runs this host was training at once while the run trained, sampled: the context its
+tokens/s was measured in).
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,8 +43,9 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Protocol
 
 from archlab.errors import ArchlabError
+from archlab.lab.claims import HEARTBEAT_S, Owner, holder_alive
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_NAME = "results.sqlite"
 
 Status = Literal["running", "finished", "diverged"]
@@ -124,8 +136,21 @@ _SCHEMA_V2: tuple[str, ...] = (
        BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never deleted'); END""",
 )
 
+_SCHEMA_V3: tuple[str, ...] = (
+    """CREATE TABLE claims (
+        key TEXT PRIMARY KEY,       -- a run id, or 'downstream:' + run id for its evaluation
+        pid INTEGER NOT NULL,
+        host TEXT NOT NULL,
+        boot TEXT NOT NULL,         -- archlab.lab.claims.Owner.boot
+        started TEXT NOT NULL,      -- the process's start time, to tell a reused pid
+        claimed_at REAL NOT NULL,
+        heartbeat_at REAL NOT NULL
+    )""",
+    "ALTER TABLE runs ADD COLUMN runs_at_once INTEGER",
+)
+
 # _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2)
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -197,6 +222,44 @@ class RunRow:
     wall_s: float | None
     device: str | None
     error: str | None
+    runs_at_once: int | None = None  # most runs this host trained at once meanwhile (None: not known)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run (or its downstream evaluation) held by a process."""
+
+    key: str
+    owner: Owner
+    claimed_at: float
+    heartbeat_at: float
+
+    def alive(self, me: Owner | None = None, now: float | None = None) -> bool:
+        return holder_alive(self.owner, self.heartbeat_at, me=me, now=now)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """``claimed``: this process holds it now (``taken_from``: the gone process it took it over
+    from, if any); ``busy``: a live process holds it (``holder``); ``done``: the run is already
+    finished or diverged."""
+
+    state: Literal["claimed", "busy", "done"]
+    holder: Owner | None = None
+    taken_from: Owner | None = None
+
+
+def downstream_key(run_id: str) -> str:
+    """The claim key of a run's downstream evaluation."""
+    return f"downstream:{run_id}"
+
+
+def display_status(row: RunRow, live: set[str] | dict[str, Any]) -> str:
+    """The status a person should read: a ``running`` row whose claim is not live (``live``: the
+    keys of live claims, ``ResultStore.live_claims``) is ``interrupted``: nothing trains it."""
+    if row.status != "running":
+        return row.status
+    return "running" if row.run_id in live else "interrupted"
 
 
 @dataclass(frozen=True)
@@ -312,23 +375,13 @@ class ResultStore:
 
     # ---- runs ------------------------------------------------------------------------------
     def start_run(self, start: RunStart) -> bool:
-        """Record that a run is (re)starting. Returns False, touching nothing, if the run is
-        already finished or diverged; a second start of a running row counts an attempt."""
+        """Record that a run is (re)starting, without a claim. Returns False, touching nothing, if
+        the run is already finished or diverged; a second start of a running row counts an
+        attempt. (``claim_run`` is what the lab uses: it also keeps other processes off the run.)"""
         with self._transaction() as c:
             row = c.execute("SELECT status FROM runs WHERE run_id = ?", (start.run_id,)).fetchone()
-            now = time.time()
             if row is None:
-                cols = dict(
-                    run_id=start.run_id, suite=start.suite, label=start.label, role=start.role,
-                    init_seed=start.init_seed, data_seed=start.data_seed, status="running",
-                    config=_dumps(start.config), config_hash=start.config_hash,
-                    code_revision=start.code_revision, planned_tokens=start.planned_tokens,
-                    planned_steps=start.planned_steps, attempts=1, started_at=now,
-                    cost_context=start.cost_context,
-                    **{k: start.costs[k] for k in COST_KEYS},
-                )
-                c.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                          tuple(cols.values()))
+                self._insert_run(c, start)
                 return True
             if row["status"] != "running":
                 return False
@@ -336,16 +389,101 @@ class ResultStore:
                       (start.code_revision, start.run_id))
             return True
 
+    @staticmethod
+    def _insert_run(c: sqlite3.Connection, start: RunStart) -> None:
+        cols = dict(
+            run_id=start.run_id, suite=start.suite, label=start.label, role=start.role,
+            init_seed=start.init_seed, data_seed=start.data_seed, status="running",
+            config=_dumps(start.config), config_hash=start.config_hash,
+            code_revision=start.code_revision, planned_tokens=start.planned_tokens,
+            planned_steps=start.planned_steps, attempts=1, started_at=time.time(),
+            cost_context=start.cost_context,
+            **{k: start.costs[k] for k in COST_KEYS},
+        )
+        c.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                  tuple(cols.values()))
+
+    def claim_run(self, start: RunStart, owner: Owner) -> ClaimResult:
+        """Claim a run for ``owner`` to train, with its row, in one transaction: the row is
+        created (or, for a running row, counted as another attempt) only when the claim is taken.
+        A claim held by a gone process is taken over; ``busy`` when a live one holds it, ``done``
+        when the run is finished or diverged (nothing is touched then)."""
+        with self._transaction() as c:
+            row = c.execute("SELECT status FROM runs WHERE run_id = ?", (start.run_id,)).fetchone()
+            if row is not None and row["status"] != "running":
+                return ClaimResult("done")
+            got = self._take(c, start.run_id, owner)
+            if got.state != "claimed":
+                return got
+            if row is None:
+                self._insert_run(c, start)
+            else:
+                c.execute("UPDATE runs SET attempts = attempts + 1, code_revision = ? WHERE run_id = ?",
+                          (start.code_revision, start.run_id))
+            return got
+
+    def claim(self, key: str, owner: Owner) -> ClaimResult:
+        """Claim any other piece of work (a run's downstream evaluation: ``downstream_key``)."""
+        with self._transaction() as c:
+            return self._take(c, key, owner)
+
+    def _take(self, c: sqlite3.Connection, key: str, owner: Owner) -> ClaimResult:
+        """Inside a transaction: take ``key`` for ``owner`` unless a live other process holds it
+        (claiming what ``owner`` already holds just renews it)."""
+        held = c.execute("SELECT * FROM claims WHERE key = ?", (key,)).fetchone()
+        taken_from = None
+        if held is not None:
+            claim = _claim(held)
+            if claim.owner != owner and claim.alive(me=owner):
+                return ClaimResult("busy", holder=claim.owner)
+            if claim.owner != owner:
+                taken_from = claim.owner
+        now = time.time()
+        c.execute("INSERT INTO claims (key, pid, host, boot, started, claimed_at, heartbeat_at) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET pid = excluded.pid, "
+                  "host = excluded.host, boot = excluded.boot, started = excluded.started, "
+                  "claimed_at = excluded.claimed_at, heartbeat_at = excluded.heartbeat_at",
+                  (key, owner.pid, owner.host, owner.boot, owner.started, now, now))
+        return ClaimResult("claimed", taken_from=taken_from)
+
+    def release(self, key: str, owner: Owner) -> None:
+        """Give up a claim ``owner`` holds (a claim since taken over by another is left alone)."""
+        with self._transaction() as c:
+            c.execute("DELETE FROM claims WHERE key = ? AND pid = ? AND host = ? AND boot = ? AND started = ?",
+                      (key, owner.pid, owner.host, owner.boot, owner.started))
+
+    def heartbeat(self, owner: Owner) -> int:
+        """Refresh every claim ``owner`` holds; returns how many it holds."""
+        with self._transaction() as c:
+            return c.execute("UPDATE claims SET heartbeat_at = ? WHERE pid = ? AND host = ? AND boot = ? "
+                             "AND started = ?", (time.time(), owner.pid, owner.host, owner.boot,
+                                                 owner.started)).rowcount
+
+    def claims(self) -> dict[str, Claim]:
+        return {r["key"]: _claim(r) for r in self._conn.execute("SELECT * FROM claims ORDER BY claimed_at")}
+
+    def live_claims(self, me: Owner | None = None) -> dict[str, Claim]:
+        """The claims whose process still exists (as seen from ``me``, by default this process)."""
+        now = time.time()
+        return {k: c for k, c in self.claims().items() if c.alive(me=me, now=now)}
+
+    def runs_on_host(self, me: Owner | None = None) -> int:
+        """How many runs processes on ``me``'s host are training now (live run claims there)."""
+        me = me or Owner.current()
+        return sum(1 for k, c in self.live_claims(me).items()
+                   if not k.startswith("downstream:") and c.owner.host == me.host and c.owner.boot == me.boot)
+
     def finish_run(self, run_id: str, result: TrainOutcome, *, final_val_loss: float,
-                   final_val_bpb: float) -> None:
-        """Store a completed run's measurements and mark it finished (one transaction)."""
+                   final_val_bpb: float, runs_at_once: int | None = None) -> None:
+        """Store a completed run's measurements and mark it finished (one transaction, which also
+        drops the run's claim)."""
         self._end(run_id, "finished", dict(
             tokens=int(result.tokens), steps=int(result.steps), final_val_loss=float(final_val_loss),
             final_val_bpb=float(final_val_bpb), val_curve=_dumps(list(result.val_curve)),
             train_curve=_dumps(list(result.train_curve)), params_model=int(result.params),
             tokens_per_s=float(result.tokens_per_s),
             mfu=None if result.mfu is None else float(result.mfu), wall_s=float(result.wall_s),
-            device=str(result.device)))
+            device=str(result.device), runs_at_once=runs_at_once))
 
     def mark_diverged(self, run_id: str, message: str) -> None:
         """A run whose loss became non-finite: a result too (the variant is unstable here)."""
@@ -359,6 +497,7 @@ class ResultStore:
                             (*values.values(), run_id))
             if cur.rowcount != 1:
                 raise RuntimeError(f"run {run_id} is not running in {self.path}; cannot mark it {status}")
+            c.execute("DELETE FROM claims WHERE key = ?", (run_id,))
 
     # ---- downstream evaluations ---------------------------------------------------------------
     def add_downstream(self, run_id: str, results: dict[str, dict[str, Any]], *, limit: int | None,
@@ -412,5 +551,46 @@ def _row(r: sqlite3.Row) -> RunRow:
         val_curve=json.loads(r["val_curve"]) if r["val_curve"] else [],
         train_curve=json.loads(r["train_curve"]) if r["train_curve"] else [],
         params_model=r["params_model"], tokens_per_s=r["tokens_per_s"], mfu=r["mfu"],
-        wall_s=r["wall_s"], device=r["device"], error=r["error"],
+        wall_s=r["wall_s"], device=r["device"], error=r["error"], runs_at_once=r["runs_at_once"],
     )
+
+
+def _claim(r: sqlite3.Row) -> Claim:
+    return Claim(key=r["key"], owner=Owner(pid=r["pid"], host=r["host"], boot=r["boot"], started=r["started"]),
+                 claimed_at=r["claimed_at"], heartbeat_at=r["heartbeat_at"])
+
+
+class Heartbeat:
+    """While a process trains or evaluates, refresh its claims every ``every`` seconds from a
+    thread (with its own connection: a SQLite connection belongs to one thread), and sample how
+    many runs this host is training (``peak``: the most seen, the run's ``runs_at_once``).
+
+    Use as a context manager around the work; a failed refresh (the database busy for longer
+    than its timeout) is retried on the next beat rather than ending the work."""
+
+    def __init__(self, path: str | Path, owner: Owner, every: float = HEARTBEAT_S) -> None:
+        self.path, self.owner, self.every = Path(path), owner, every
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="archlab-claim-heartbeat", daemon=True)
+
+    def sample(self, store: "ResultStore") -> int:
+        self.peak = max(self.peak, store.runs_on_host(self.owner))
+        return self.peak
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                with ResultStore(self.path, create=False) as store:
+                    store.heartbeat(self.owner)
+                    self.sample(store)
+            except (sqlite3.Error, ArchlabError):
+                continue
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -52,7 +52,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -60,12 +60,11 @@ import yaml
 
 from archlab.config import PRESETS, load_yaml, parse_override
 from archlab.errors import ArchlabError, ConfigError
+from archlab.typed import Reporter, build, merge
 
 Match = Literal["iso-token", "iso-flop"]
 _MATCHES: tuple[str, ...] = ("iso-token", "iso-flop")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # labels become directory names
-_TOP_KEYS = ("name", "description", "preset", "base", "data", "budget", "seeds", "baseline",
-             "variants", "eval", "costs", "estimate")
 
 
 @dataclass(frozen=True)
@@ -154,14 +153,6 @@ class Suite:
         }
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge, ``over`` winning (the same rule as config files)."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def builtin_suites() -> list[str]:
     root = importlib.resources.files("archlab") / "suites"
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
@@ -184,61 +175,122 @@ def load_suite(name_or_path: str | Path) -> Suite:
     return parse_suite(data, origin=f"built-in suite {text}", default_name=text)
 
 
-class _Reader:
-    """Typed access to one mapping of the suite file, failing with the file and key named."""
 
-    def __init__(self, origin: str, data: Any, prefix: str, allowed: tuple[str, ...]) -> None:
-        self.origin, self.prefix = origin, prefix
-        if not isinstance(data, dict):
-            self.fail("", f"expected a mapping, got {data!r}")
-        unknown = [k for k in data if k not in allowed]
-        if unknown:
-            self.fail(str(unknown[0]), f"unknown key; allowed here: {', '.join(allowed)}")
-        self.data: dict[str, Any] = data
-
-    def fail(self, key: str, message: str) -> NoReturn:
-        where = ".".join(p for p in (self.prefix, key) if p) or "(top level)"
-        raise ConfigError(f"suite error: {self.origin}: {where}: {message}")
-
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., *,
-            positive: bool = False) -> Any:
-        if key not in self.data or self.data[key] is None:
-            if default is ...:
-                self.fail(key, "is required")
-            return default
-        value = self.data[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            ok, value = True, float(value)
-        if not ok:
-            names = " or ".join(k.__name__ for k in kinds)
-            self.fail(key, f"expected {names}, got {value!r}")
-        if positive and not value > 0:
-            self.fail(key, f"must be positive, got {value!r}")
-        return value
-
-    def sub(self, key: str, allowed: tuple[str, ...]) -> "_Reader | None":
-        if key not in self.data or self.data[key] is None:
-            return None
-        return _Reader(self.origin, self.data[key], ".".join(p for p in (self.prefix, key) if p), allowed)
+# ---- the file's shape -------------------------------------------------------------------------
+# Each section of a suite file is a small dataclass read by ``archlab.typed.build``, the validator
+# configs use, so a suite key takes the same spellings as a config key (``alpha: 5e-2`` is a
+# float) and fails the same way. These mirror the file; ``parse_suite`` then applies the checks
+# no annotation states (positive numbers, seed lists, known tasks and recipes) and builds the
+# public ``Suite``, whose shape serves the plan rather than the file. Every field has a default:
+# a missing required key is reported by ``parse_suite`` by name, not by a dataclass TypeError.
 
 
-def _seed_list(r: _Reader, key: str, default: list[int]) -> tuple[int, ...]:
-    seeds = r.get(key, list, default)
-    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+class SuiteReporter(Reporter):
+    """Failures read ``suite error: <origin>: <key>: <message>``, one line, exit code 2."""
+
+    def __init__(self, origin: str) -> None:
+        super().__init__(f"suite error: {origin}: ")
+
+    def unknown(self, key: str, allowed: list[str]) -> NoReturn:
+        # The key first, as every other suite error: the user looks for it in the file.
+        self.fail(key, f"unknown key; allowed here: {', '.join(allowed)}")
+
+
+@dataclass
+class _DataSection:
+    source: str | None = None
+    recipe: str | None = None
+    max_mb: float | None = None
+
+
+@dataclass
+class _BudgetSection:
+    tokens: int | None = None  # required
+    match: str = "iso-token"  # a str, not a Literal: the message names the allowed values plainly
+
+
+@dataclass
+class _SeedsSection:
+    baseline: list[int] = field(default_factory=lambda: [0, 1, 2])
+    variants: list[int] = field(default_factory=lambda: [0])
+    data: int | str = 0  # or "init"
+
+
+@dataclass
+class _EvalSection:
+    every: int | None = None
+    batches: int | None = None
+    last_k: int = 3
+    alpha: float = 0.05
+    tasks: Any = None  # a list of names or one "a,b" string: two shapes, checked by _task_list
+    task_dir: str | None = None
+    limit: int | None = None
+
+
+@dataclass
+class _CostsSection:
+    context: int | None = None
+    dtype_bytes: int = 2
+
+
+@dataclass
+class _EstimateSection:
+    tokens_per_s: float | None = None
+
+
+@dataclass
+class _SuiteFile:
+    name: str | None = None
+    description: str = ""
+    preset: str | None = None
+    base: Any = None  # nested config overrides: checked key by key when the plan builds configs
+    data: _DataSection = field(default_factory=_DataSection)
+    budget: _BudgetSection = field(default_factory=_BudgetSection)
+    seeds: _SeedsSection = field(default_factory=_SeedsSection)
+    baseline: str = "baseline"
+    variants: Any = None  # label -> {dot.key: value}; the values are checked by the plan
+    eval: _EvalSection = field(default_factory=_EvalSection)
+    costs: _CostsSection = field(default_factory=_CostsSection)
+    estimate: _EstimateSection = field(default_factory=_EstimateSection)
+
+
+_SECTIONS = ("data", "budget", "seeds", "eval", "costs", "estimate")
+
+
+def _without_nulls(data: dict[Any, Any]) -> dict[Any, Any]:
+    """A key written without a value (``limit:``) means its default in a suite file, at the top
+    level and inside the sections; ``base`` and ``variants`` are left alone (there a null can be a
+    config value, e.g. ``model.layer_heads: null``)."""
+    out = {}
+    for k, v in data.items():
+        if v is None:
+            continue
+        out[k] = _without_nulls(v) if k in _SECTIONS and isinstance(v, dict) else v
+    return out
+
+
+def _positive(r: SuiteReporter, key: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        r.fail(key, f"must be positive, got {value!r}")
+
+
+def _seed_list(r: SuiteReporter, key: str, seeds: list[int]) -> tuple[int, ...]:
+    if not seeds or any(s < 0 for s in seeds):
         r.fail(key, f"expected a non-empty list of non-negative integers, got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         r.fail(key, f"has repeated seeds: {seeds!r}")
     return tuple(seeds)
 
 
-def _task_list(e: _Reader) -> tuple[str, ...]:
+def _task_list(r: SuiteReporter, raw: Any) -> tuple[str, ...]:
     """``eval.tasks``: a list of task names or one comma-separated string; known names only."""
-    raw = e.get("tasks", (list, str), [])
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, str)):
+        r.fail("eval.tasks", f"expected list or str, got {raw!r}")
     names = [t.strip() for t in raw.split(",")] if isinstance(raw, str) else raw
     if not all(isinstance(t, str) for t in names):
-        e.fail("tasks", f"expected task names (a list or a comma-separated string), got {raw!r}")
+        r.fail("eval.tasks", f"expected task names (a list or a comma-separated string), got {raw!r}")
     names = [t.strip() for t in names if t.strip()]
     if not names:
         return ()
@@ -246,10 +298,66 @@ def _task_list(e: _Reader) -> tuple[str, ...]:
 
     for t in names:
         if t not in TASKS:
-            e.fail("tasks", f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
+            r.fail("eval.tasks", f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
     if len(set(names)) != len(names):
-        e.fail("tasks", f"has repeated tasks: {names!r}")
+        r.fail("eval.tasks", f"has repeated tasks: {names!r}")
     return tuple(names)
+
+
+def _data_spec(r: SuiteReporter, d: _DataSection) -> DataSpec:
+    if d.max_mb is not None and d.max_mb < 0:
+        r.fail("data.max_mb", f"must be >= 0 (0 = the whole source), got {d.max_mb}")
+    if d.recipe is None:
+        if d.source is None:
+            r.fail("data.source", "is required (or data.recipe)")
+        return DataSpec(source=d.source, max_mb=d.max_mb)
+    if d.source is not None:
+        r.fail("data.recipe", "give either source or recipe, not both")
+    from archlab.data.recipes import get_recipe
+
+    try:
+        get_recipe(d.recipe)
+    except ArchlabError as e:
+        r.fail("data.recipe", str(e))
+    return DataSpec(source=f"recipe:{d.recipe}", max_mb=d.max_mb, recipe=d.recipe)
+
+
+def _variants(r: SuiteReporter, raw: Any, baseline: str) -> dict[str, dict[str, Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        r.fail("variants", f"expected a mapping of variant names to overrides, got {raw!r}")
+    variants: dict[str, dict[str, Any]] = {}
+    for label, overrides in raw.items():
+        key = f"variants.{label}"
+        if not isinstance(label, str) or not _NAME.match(label):
+            r.fail(key, "a variant name must be letters, digits and _ . + - (it names a directory)")
+        if label == baseline:
+            r.fail(key, f"a variant cannot share the baseline's name {baseline!r}")
+        if overrides is None:
+            overrides = {}
+        if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+            r.fail(key, f"expected a mapping of config keys to values, got {overrides!r}")
+        variants[label] = dict(overrides)
+    return variants
+
+
+def _eval_spec(r: SuiteReporter, e: _EvalSection, base_dir: Path | None) -> EvalSpec:
+    for key in ("every", "batches", "last_k", "limit"):
+        _positive(r, f"eval.{key}", getattr(e, key))
+    if not 0 < e.alpha < 1:
+        r.fail("eval.alpha", f"must be in (0, 1), got {e.alpha}")
+    tasks = _task_list(r, e.tasks)
+    for key in ("task_dir", "limit"):
+        if getattr(e, key) is not None and not tasks:
+            r.fail(f"eval.{key}", "applies to eval.tasks; name the tasks to evaluate")
+    task_dir = e.task_dir
+    if task_dir is not None:
+        if not task_dir.strip():
+            r.fail("eval.task_dir", "is empty")
+        task_dir = str((base_dir or Path.cwd()) / Path(task_dir).expanduser())
+    return EvalSpec(every=e.every, batches=e.batches, last_k=e.last_k, alpha=e.alpha, tasks=tasks,
+                    task_dir=task_dir, limit=e.limit)
 
 
 def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | None = None) -> Suite:
@@ -260,99 +368,50 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
     ``base_dir`` is what a relative ``eval.task_dir`` is relative to (the suite file's directory;
     None: the working directory, as for built-in suites).
     """
-    top = _Reader(origin, data, "", _TOP_KEYS)
-    name = top.get("name", str, default_name)
+    r = SuiteReporter(origin)
+    if not isinstance(data, dict):
+        r.fail("", f"expected a mapping, got {data!r}")
+    data = _without_nulls(data)
+    f: _SuiteFile = build(_SuiteFile, data, reporter=r)
+
+    name = default_name if f.name is None else f.name
     if not _NAME.match(name):
-        top.fail("name", f"{name!r} must be letters, digits and _ . + - (it names a directory)")
-    preset = top.get("preset", str, None)
-    if preset is not None and preset not in PRESETS:
-        top.fail("preset", f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
-    base = top.get("base", dict, {})
+        r.fail("name", f"{name!r} must be letters, digits and _ . + - (it names a directory)")
+    if f.preset is not None and f.preset not in PRESETS:
+        r.fail("preset", f"unknown preset {f.preset!r}; allowed: {', '.join(PRESETS)}")
+    base = {} if f.base is None else f.base
+    if not isinstance(base, dict):
+        r.fail("base", f"expected a mapping of config sections, got {base!r}")
 
-    data_spec = None
-    d = top.sub("data", ("source", "recipe", "max_mb"))
-    if d is not None:
-        max_mb = d.get("max_mb", float, None)
-        if max_mb is not None and max_mb < 0:
-            d.fail("max_mb", f"must be >= 0 (0 = the whole source), got {max_mb}")
-        recipe = d.get("recipe", str, None)
-        if recipe is not None:
-            if d.data.get("source") is not None:
-                d.fail("recipe", "give either source or recipe, not both")
-            from archlab.data.recipes import get_recipe
+    if "budget" not in data:
+        r.fail("budget", "is required (tokens, and match: iso-token or iso-flop)")
+    if f.budget.match not in _MATCHES:
+        r.fail("budget.match", f"must be one of {', '.join(_MATCHES)}, got {f.budget.match!r}")
+    if f.budget.tokens is None:
+        r.fail("budget.tokens", "is required")
+    _positive(r, "budget.tokens", f.budget.tokens)
 
-            try:
-                get_recipe(recipe)
-            except ArchlabError as e:
-                d.fail("recipe", str(e))
-            data_spec = DataSpec(source=f"recipe:{recipe}", max_mb=max_mb, recipe=recipe)
-        else:
-            data_spec = DataSpec(source=d.get("source", str), max_mb=max_mb)
+    s = f.seeds
+    if isinstance(s.data, str) and s.data != "init":
+        r.fail("seeds.data", f"expected an integer or 'init', got {s.data!r}")
+    if isinstance(s.data, int) and s.data < 0:
+        r.fail("seeds.data", f"must be non-negative, got {s.data}")
+    seeds = Seeds(baseline=_seed_list(r, "seeds.baseline", s.baseline),
+                  variants=_seed_list(r, "seeds.variants", s.variants),
+                  data=None if s.data == "init" else s.data)
 
-    b = top.sub("budget", ("tokens", "match"))
-    if b is None:
-        top.fail("budget", "is required (tokens, and match: iso-token or iso-flop)")
-    match = b.get("match", str, "iso-token")
-    if match not in _MATCHES:
-        b.fail("match", f"must be one of {', '.join(_MATCHES)}, got {match!r}")
-    budget = Budget(tokens=b.get("tokens", int, positive=True), match=match)
-
-    s = top.sub("seeds", ("baseline", "variants", "data"))
-    s = s or _Reader(origin, {}, "seeds", ())
-    data_seed = s.get("data", (int, str), 0)
-    if isinstance(data_seed, str) and data_seed != "init":
-        s.fail("data", f"expected an integer or 'init', got {data_seed!r}")
-    if isinstance(data_seed, int) and data_seed < 0:
-        s.fail("data", f"must be non-negative, got {data_seed}")
-    seeds = Seeds(baseline=_seed_list(s, "baseline", [0, 1, 2]),
-                  variants=_seed_list(s, "variants", [0]),
-                  data=None if data_seed == "init" else data_seed)
-
-    baseline = top.get("baseline", str, "baseline")
-    if not _NAME.match(baseline):
-        top.fail("baseline", f"{baseline!r} must be letters, digits and _ . + -")
-    raw_variants = top.get("variants", dict, {})
-    variants: dict[str, dict[str, Any]] = {}
-    for label, overrides in raw_variants.items():
-        key = f"variants.{label}"
-        if not isinstance(label, str) or not _NAME.match(label):
-            top.fail(key, "a variant name must be letters, digits and _ . + - (it names a directory)")
-        if label == baseline:
-            top.fail(key, f"a variant cannot share the baseline's name {baseline!r}")
-        if overrides is None:
-            overrides = {}
-        if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
-            top.fail(key, f"expected a mapping of config keys to values, got {overrides!r}")
-        variants[label] = dict(overrides)
-
-    e = (top.sub("eval", ("every", "batches", "last_k", "alpha", "tasks", "task_dir", "limit"))
-         or _Reader(origin, {}, "eval", ()))
-    alpha = e.get("alpha", float, 0.05)
-    if not 0 < alpha < 1:
-        e.fail("alpha", f"must be in (0, 1), got {alpha}")
-    tasks = _task_list(e)
-    task_dir = e.get("task_dir", str, None)
-    limit = e.get("limit", int, None, positive=True)
-    for key, value in (("task_dir", task_dir), ("limit", limit)):
-        if value is not None and not tasks:
-            e.fail(key, "applies to eval.tasks; name the tasks to evaluate")
-    if task_dir is not None:
-        if not task_dir.strip():
-            e.fail("task_dir", "is empty")
-        task_dir = str((base_dir or Path.cwd()) / Path(task_dir).expanduser())
-    eval_spec = EvalSpec(every=e.get("every", int, None, positive=True),
-                         batches=e.get("batches", int, None, positive=True),
-                         last_k=e.get("last_k", int, 3, positive=True), alpha=alpha,
-                         tasks=tasks, task_dir=task_dir, limit=limit)
-
-    c = top.sub("costs", ("context", "dtype_bytes")) or _Reader(origin, {}, "costs", ())
-    costs = CostSpec(context=c.get("context", int, None, positive=True),
-                     dtype_bytes=c.get("dtype_bytes", int, 2, positive=True))
-    est = top.sub("estimate", ("tokens_per_s",)) or _Reader(origin, {}, "estimate", ())
+    if not _NAME.match(f.baseline):
+        r.fail("baseline", f"{f.baseline!r} must be letters, digits and _ . + -")
+    for key in ("context", "dtype_bytes"):
+        _positive(r, f"costs.{key}", getattr(f.costs, key))
+    _positive(r, "estimate.tokens_per_s", f.estimate.tokens_per_s)
 
     return Suite(
-        name=name, description=top.get("description", str, ""), origin=origin, preset=preset,
-        base=base, data=data_spec, budget=budget, seeds=seeds, baseline=baseline,
-        variants=variants, eval=eval_spec, costs=costs,
-        tokens_per_s=est.get("tokens_per_s", float, None, positive=True),
+        name=name, description=f.description, origin=origin, preset=f.preset, base=base,
+        data=_data_spec(r, f.data) if "data" in data else None,
+        budget=Budget(tokens=f.budget.tokens, match=f.budget.match),  # type: ignore[arg-type]
+        seeds=seeds, baseline=f.baseline, variants=_variants(r, f.variants, f.baseline),
+        eval=_eval_spec(r, f.eval, base_dir),
+        costs=CostSpec(context=f.costs.context, dtype_bytes=f.costs.dtype_bytes),
+        tokens_per_s=f.estimate.tokens_per_s,
     )

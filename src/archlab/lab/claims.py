@@ -1,0 +1,139 @@
+"""Who is training a run: process identities, whether a claim's holder still exists, and pool
+workers that die with the process that started them.
+
+A run of a suite is trained by the process that *claims* it in the results database
+(``ResultStore.claim_run``): the claim names that process by pid, host and start time. A claim
+is live while that process exists; a process killed with SIGKILL cannot release what it holds,
+so every reader decides for itself whether a claim's holder is gone:
+
+* same host (same host name, and on Linux the same boot and pid namespace, so that the pid means
+  the same process here): gone when no process has the pid, or the pid's process started at
+  another time (the pid was reused), or it is a zombie (it runs nothing and holds no memory);
+* another host, or a pid namespace this process cannot see into (a container sharing the suite
+  directory): a pid cannot be checked from here, so the claim's heartbeat decides. The holder
+  refreshes it every ``HEARTBEAT_S`` while it trains (``ResultStore.Heartbeat``); a claim not
+  refreshed for ``STALE_AFTER_S`` is gone.
+
+Pool workers (``archlab compare --jobs N``) call ``die_with_parent`` first: on Linux the kernel
+kills them when their parent dies (``PR_SET_PDEATHSIG``), and on every system a watcher thread
+ends them when their parent process changes. Without it a ``kill -9`` of ``compare`` orphans
+workers that keep training, then wait forever for work that never comes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+HEARTBEAT_S = 30.0  # how often a claim holder refreshes its claims
+STALE_AFTER_S = 300.0  # a claim from a process that cannot be checked is gone after this silence
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, as a claim records it."""
+
+    pid: int
+    host: str  # socket.gethostname()
+    boot: str  # Linux: "<boot id>/<pid namespace>", where ``pid`` is meaningful; "" elsewhere
+    started: str  # the process's start time as this host reports it ("" when it cannot tell)
+
+    @classmethod
+    def current(cls) -> "Owner":
+        return _owner(os.getpid())  # keyed by pid: a forked child is another owner
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+
+@lru_cache(maxsize=8)
+def _owner(pid: int) -> Owner:
+    return Owner(pid=pid, host=socket.gethostname(), boot=_boot(), started=process_started(pid) or "")
+
+
+@lru_cache(maxsize=1)
+def _boot() -> str:
+    """This kernel boot and pid namespace: two processes with equal values see the same pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+        return f"{boot_id}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def process_started(pid: int) -> str | None:
+    """When process ``pid`` started, as an opaque string ("" when this system cannot tell), or
+    None when no (running) process has that pid. Compared with the value recorded in a claim, it
+    tells the claim's process from a later one that reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        stat = ""
+    if stat:
+        # Fields after the command name (which may hold spaces and parentheses): state is the
+        # 3rd field of the line, starttime (clock ticks since boot) the 22nd.
+        fields = stat[stat.rindex(")") + 2:].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process: it exists
+    try:  # no /proc (macOS, BSD): ps reports the start time
+        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if out.returncode != 0 and not out.stdout.strip():
+        return None
+    return out.stdout.strip()
+
+
+def holder_alive(holder: Owner, heartbeat_at: float, *, me: Owner | None = None,
+                 now: float | None = None) -> bool:
+    """Whether the process that holds a claim still exists (see the module docstring)."""
+    me = me or Owner.current()
+    if holder.host == me.host and holder.boot == me.boot:
+        started = process_started(holder.pid)
+        if started is None:
+            return False
+        return not (holder.started and started and started != holder.started)
+    return (now if now is not None else time.time()) - heartbeat_at < STALE_AFTER_S
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """End this process when ``parent_pid`` (its parent now) dies: the pool initializer of
+    ``compare --jobs``. SIGKILL, not an exception: the run's checkpoints are what survives, and
+    a dying worker must not wait for anything (a lock, a queue) the dead parent held."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watcher below still covers it
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=_watch_parent, args=(parent_pid, poll_s), name="archlab-parent-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(parent_pid: int, poll_s: float) -> None:
+    """The portable half: an orphan is re-parented (to init or a subreaper), so its parent pid
+    changes; that is the signal to go."""
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGKILL)
