@@ -69,6 +69,8 @@ def describe(tp: Any) -> str:
         return " or ".join(describe(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
         return f"a list of {describe(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
@@ -102,11 +104,21 @@ def coerce(value: Any, tp: Any, key: str, reporter: Reporter = CONFIG) -> Any:
         if value in typing.get_args(tp):
             return value
     elif origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
+        args = typing.get_args(tp)
+        # A mapping for ``Section | None`` is that section: its own errors are the ones to report.
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(sections) == 1:
+            return coerce(value, sections[0], key, reporter)
+        for arg in args:
             try:
                 return coerce(value, arg, key, reporter)
             except ConfigError:
                 continue
+    elif origin is dict:
+        if isinstance(value, dict):
+            kt, vt = typing.get_args(tp) or (Any, Any)
+            return {coerce(k, kt, f"{key}.{k}", reporter): coerce(v, vt, f"{key}.{k}", reporter)
+                    for k, v in value.items()}
     elif origin in (list, tuple):
         if isinstance(value, list):
             inner = typing.get_args(tp)[0]

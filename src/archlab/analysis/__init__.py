@@ -1,5 +1,16 @@
-"""Analysis of trained models: routing diagnostics (``probe``) and their CLI (``cli``)."""
+"""Analysis of trained models: routing diagnostics (``probe``) and their CLI (``cli``).
 
-from archlab.analysis.probe import collect_routing, probe_checkpoint, probe_routing, summarize
+``probe`` imports torch; it is imported on use so that the command line's parser does not.
+"""
+
+from __future__ import annotations
 
 __all__ = ["collect_routing", "probe_checkpoint", "probe_routing", "summarize"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from archlab.analysis import probe
+
+        return getattr(probe, name)
+    raise AttributeError(name)

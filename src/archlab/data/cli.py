@@ -26,7 +26,6 @@ from rich.progress import (
 from rich.table import Table
 
 from archlab.data.decoding import DEFAULT_ENCODING, replacement_warning, text_encoding
-from archlab.data.loader import TokenData
 from archlab.data.prepare import DEFAULT_SHARD_TOKENS, MANIFEST_FILE, SPLITS, check_destination, prepare
 from archlab.data.recipes import CACHE_ENV, default_cache_dir, get_recipe, open_recipe, recipe_rows
 from archlab.data.sources import FORMATS, STDLIB_DEFAULT_MAX_BYTES
@@ -188,6 +187,8 @@ def run_recipes(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     # recheck: hash every shard now, whatever the verification cache says; a user asking
     # whether the data is intact should get an answer about the bytes on disk.
+    from archlab.data.loader import TokenData
+
     data = TokenData(args.dir, recheck=True)
     console = Console()
     print_summary(console, data.path, data.manifest)

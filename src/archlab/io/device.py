@@ -32,7 +32,8 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     import platform
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({platform.processor() or platform.machine()}, {n} thread{'' if n == 1 else 's'})"
 
 
 def peak_flops(device: torch.device) -> float | None:
