@@ -1,53 +1,185 @@
-"""Command line of inference: ``generate``."""
+"""Command line of inference: ``generate``, ``serve`` and ``bench``, all on the engine."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
-from archlab.errors import CheckpointError, UsageError
+from archlab.errors import UsageError
+
+
+def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise UsageError(f"{name} must be {allowed}, got {value}")
 
 
 def cmd_generate(args) -> int:
-    import torch
+    import time
 
-    from archlab.data.tokenizer import load_tokenizer
-    from archlab.infer.generate import Generator, Sampling
-    from archlab.io.checkpoint import load_model
-    from archlab.io.device import resolve_device
+    from archlab.infer.engine import Engine
+    from archlab.infer.loading import load_for_inference
+    from archlab.infer.sampling import SamplingParams
 
-    model, cfg, ckpt = load_model(args.ckpt, resolve_device(args.device))
-    if args.max_new_tokens >= cfg.model.max_seq_len:
-        raise UsageError(f"--max-new-tokens must be below the model's context of {cfg.model.max_seq_len} "
-                           f"tokens (room is needed for the prompt), got {args.max_new_tokens}")
-    tok_path = ckpt / "tokenizer.json"
-    if not tok_path.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json; cannot encode prompts")
-    tok = load_tokenizer(tok_path)
-    prompts = [tok.encode(p).ids or [0] for p in args.prompt]
-    stops = tuple(tok.encode(s).ids[0] for s in args.stop if tok.encode(s).ids) + (0,)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, stop_tokens=stops, seed=args.seed)
-    room = cfg.model.max_seq_len - sampling.max_new_tokens
-    prompts = [p[-room:] for p in prompts]
-    with torch.no_grad():
-        outs = Generator(model).generate(prompts, sampling)
-    for text, out in zip(args.prompt, outs):
-        out = [t for t in out if t != 0]
-        print(text + tok.decode(out))
+    _check_range("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1")
+    _check_range("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0 = greedy)")
+    _check_range("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = off)")
+    _check_range("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1] (1 = off)")
+    model, tok, eos, _ = load_for_inference(args.ckpt, args.device, args.dtype)
+    ctx = model.cfg.max_seq_len
+    if args.max_new_tokens >= ctx:
+        raise UsageError(f"--max-new-tokens must be below the model's context of {ctx} tokens "
+                         f"(room is needed for the prompt), got {args.max_new_tokens}")
+    prompts = [tok.encode(p).ids or ([eos] if eos is not None else [0]) for p in args.prompt]
+    room = ctx - args.max_new_tokens + 1
+    if any(len(p) > room for p in prompts):  # keep the prompt's end, as a sliding window would
+        print(f"archlab: a prompt was cut to its last {room} tokens to fit the context of {ctx}", file=sys.stderr)
+        prompts = [p[-room:] for p in prompts]
+    stops = tuple(tok.encode(s).ids[0] for s in args.stop if tok.encode(s).ids)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, stop_tokens=stops + ((eos,) if eos is not None else ()), seed=args.seed)
+    engine = Engine(model, slots=len(prompts))
+    t0 = time.perf_counter()
+    requests = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    for text, r in zip(args.prompt, requests):
+        print(text + tok.decode([t for t in r.tokens if t != eos]))
         if len(args.prompt) > 1:
             print("-" * 40)
+    n = sum(len(r.tokens) for r in requests)
+    ttft = min(r.first_token_at for r in requests) - t0
+    rate = (n - len(requests)) / (wall - ttft) if wall > ttft and n > len(requests) else float("nan")
+    print(f"{n} tokens in {wall:.2f} s: time to first token {ttft * 1e3:.0f} ms (prefill of "
+          f"{sum(len(p) for p in prompts)} prompt tokens, compilation included on first use), then "
+          f"{rate:,.1f} tokens/s over {len(requests)} sequence(s)", file=sys.stderr)
     return 0
 
 
+def cmd_serve(args) -> int:
+    from archlab.infer.server import serve
+
+    _check_range("--port", args.port, 0 < args.port < 65536, "in 1..65535")
+    _check_range("--slots", args.slots, args.slots >= 1, ">= 1")
+    print(f"archlab: serving {args.ckpt} on http://{args.host}:{args.port}/v1 ({args.slots} slots)", file=sys.stderr)
+    serve(args.ckpt, host=args.host, port=args.port, slots=args.slots, device=args.device, dtype=args.dtype,
+          model_name=args.model_name, warm_up=not args.no_warm_up)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth
+
+    for name in ("prompt", "context", "steps"):
+        _check_range(f"--{name}", getattr(args, name), getattr(args, name) >= 1, ">= 1")
+    batches = _int_list("--batches", args.batches)
+    if args.ckpt:
+        from archlab.infer.loading import load_for_inference
+
+        model, _, _, label = load_for_inference(args.ckpt, args.device, args.dtype)
+    else:
+        from archlab.config import make_config
+        from archlab.infer.loading import resolve_dtype
+        from archlab.io.device import resolve_device
+        from archlab.model import build_model
+
+        cfg = make_config(args.preset, args.config, args.overrides)
+        dev = resolve_device(args.device)
+        torch.manual_seed(0)
+        model = build_model(cfg.model).to(dev, resolve_dtype(args.dtype, dev)).eval()
+        label = f"preset {args.preset}" + (" with overrides" if args.overrides or args.config else "")
+    need = max(args.prompt, args.context + args.steps + 16)
+    if need > model.cfg.max_seq_len:
+        raise UsageError(f"--prompt / --context + --steps need {need} positions; the model has "
+                         f"{model.cfg.max_seq_len} (raise model.max_seq_len with --set for a preset)")
+    dev = model.lm_head.weight.device
+    rows: list[dict] = []
+    bw = copy_bandwidth(dev)
+    with torch.no_grad():
+        if args.what in ("prefill", "all"):
+            rows.append({"kind": "prefill", **as_dict(bench_prefill(model, args.prompt))})
+        if args.what in ("decode", "all"):
+            for b in batches:
+                rows.append({"kind": "decode", **as_dict(bench_decode(model, b, args.context, args.steps, bw))})
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    table = Table(title=f"engine on {device}: {label}" + (f", copy {bw / 1e12:.2f} TB/s" if bw == bw else ""))
+    for col in ("phase", "shape", "ms", "tokens/s", "roofline"):
+        table.add_column(col, justify="right" if col != "phase" else "left")
+    for r in rows:
+        if r["kind"] == "prefill":
+            roof = f"{r['mfu']:.1%} MFU" if r["mfu"] else "-"
+            table.add_row("prefill", f"prompt {r['prompt']}, batch {r['batch']}", f"{r['ms']:.3f}",
+                          f"{r['tokens_per_s']:,.0f}", roof)
+        else:
+            roof = f"{r['frac_of_roofline']:.1%} ({r['roofline_ms']:.3f} ms)" if r["frac_of_roofline"] else "-"
+            table.add_row("decode", f"batch {r['batch']}, context {r['context']}", f"{r['ms_per_step']:.3f}",
+                          f"{r['tokens_per_s']:,.0f}", roof)
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "model": label, "copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+    return 0
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{name} must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _inference_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("generate", help="sample continuations from a checkpoint")
-    g.add_argument("--ckpt", required=True)
-    g.add_argument("--prompt", action="append", required=True, help="repeatable: one batch row each")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--stop", action="append", default=[], help="stop at this text's first token")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto")
+    g = sub.add_parser("generate", help="sample continuations from a checkpoint (prints tokens/s and time to first "
+                       "token on stderr)")
+    g.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch, one row each")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 = greedy (the most likely token), default 0.8")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = off; default 50)")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="sample among the most likely tokens whose probability reaches p (1 = off; default 0.95)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="stop a row after this text's first token (repeatable); end-of-text always stops")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    _inference_args(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/models")
+    s.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--slots", type=int, default=16,
+                   help="sequences decoded together (KV-cache rows); more requests queue (default 16)")
+    s.add_argument("--model-name", help="the model id clients ask for (default: the run directory's name)")
+    s.add_argument("--no-warm-up", action="store_true",
+                   help="do not compile and capture the decode step before serving (first request pays it)")
+    _inference_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="measure prefill and decode latency of a checkpoint or preset on the engine")
+    b.add_argument("what", choices=["prefill", "decode", "all"], help="which phase to measure")
+    b.add_argument("--ckpt", help="run directory or checkpoint directory (default: a randomly initialised --preset)")
+    b.add_argument("--preset", default="tiny", help="named preset when no --ckpt: tiny, 20m, 124m, 350m, 1b")
+    b.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML config(s) over the preset")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override one config key of the preset (repeatable)")
+    b.add_argument("--prompt", type=int, default=2048, help="prefill prompt length in tokens (default 2048)")
+    b.add_argument("--context", type=int, default=1024, help="tokens in the cache while decoding (default 1024)")
+    b.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated (default 1,8)")
+    b.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size (default 100)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    _inference_args(b)
+    b.set_defaults(func=cmd_bench)

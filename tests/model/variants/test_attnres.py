@@ -197,11 +197,9 @@ def _decode_token_by_token(model, idx):
     one-token prefill, then grouped decode steps."""
     b, s = idx.shape
     cache = model.new_cache(b, s)
-    key_valid = torch.ones(b, s, dtype=torch.bool)
-    steps = []
-    for t in range(s):
-        step = model.prefill if t == 0 else model.decode
-        steps.append(step(idx[:, t:t + 1], cache, torch.tensor([t]), torch.full((b, 1), t), key_valid))
+    steps = [model.prefill(idx[:, :1], cache, torch.ones(b, dtype=torch.long))]
+    for t in range(1, s):
+        steps.append(model.decode(idx[:, t:t + 1], cache, torch.full((b,), t)))
     return torch.stack(steps, 1)
 
 

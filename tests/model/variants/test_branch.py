@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from archlab.config import make_config
-from archlab.infer.generate import Generator, Sampling
+from archlab.infer.engine import Engine
+from archlab.infer.sampling import SamplingParams
 from archlab.model import build_model
 from archlab.model.accounting import costs
 from archlab.model.variants.branch.readout import mixture_log_probs as _mixture_log_probs
@@ -90,21 +91,22 @@ def test_kv_cache_after_generation_equals_primary_only_cache():
     base = primary_only(model)
     prompts = [[3, 4, 5, 6], [7, 8]]
     n = 9
-    tokens = Generator(model).generate(prompts, Sampling(max_new_tokens=n, temperature=1.0, seed=0))
-    g, gb = Generator(model), Generator(base)
-    state, _ = g.start(prompts, n)
-    sb, _ = gb.start(prompts, n)
-    for j in range(n - 1):
-        nxt = torch.tensor([t[j] for t in tokens])
-        g.advance(state, nxt)
-        gb.advance(sb, nxt)
-    written = state.next_slot
-    assert written == sb.next_slot == 4 + n - 1
+    params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
+    tokens = [r.tokens for r in Engine(model, slots=2, max_len=32).generate(prompts, params)]
+    engines = Engine(model, slots=2, max_len=32), Engine(base, slots=2, max_len=32)
+    for eng in engines:
+        eng.prefill([0, 1], prompts, [params] * 2)
+        for j in range(n - 1):
+            eng.tokens.copy_(torch.tensor([t[j] for t in tokens]))
+            eng.step()
+    g, gb = engines
     for layer in range(model.cfg.n_layers):
-        for kb, kp in zip(state.cache.layer(layer), sb.cache.layer(layer)):
-            assert kb.shape == kp.shape  # batch B: no rows for the branch
+        for kb, kp in zip(g.cache.layer(layer), gb.cache.layer(layer)):
+            # One row per sequence (none for the branch) holding exactly what the primary-only
+            # model writes, prefill padding included: the branch wrote nothing anywhere.
+            assert kb.shape == kp.shape == (2, model.cfg.kv_heads, 32, model.cfg.dim_per_head)
             torch.testing.assert_close(kb, kp, atol=1e-6, rtol=0)
-            assert torch.count_nonzero(kb[:, :, written:]) == 0  # nothing beyond the primary's tokens
+            assert torch.count_nonzero(kb[:, :, 16:]) == 0  # past the 16-token prefill bucket: never written
 
 
 def _mixture_reference(pl: torch.Tensor, bl: torch.Tensor, y: torch.Tensor, lo=0.5, hi=1.0) -> torch.Tensor:

@@ -257,7 +257,7 @@ def test_follower_pass_of_the_last_position_replays_the_record(shared: bool) -> 
     m(x, ctx(record))
     assert torch.equal(record.values[(0, "experts")], m.route(x, ctx())[0].idx)
     assert ((0, "u") in record.values) == shared
-    out = m(xb[:, -1:], ctx(FollowPass(blocks_with(c), record)))
+    out = m(xb[:, -1:], ctx(FollowPass(blocks_with(c), record, lengths=torch.full((2,), 6))))
     torch.testing.assert_close(out, joint[:, -1:], rtol=0, atol=1e-12)
 
 
@@ -376,11 +376,8 @@ def test_model_cached_decode_matches_full_forward() -> None:
     with torch.no_grad():
         full = model(idx)
         cache = model.new_cache(b, 16)
-        valid = torch.zeros(b, 16, dtype=torch.bool)
-        valid[:, : s + 1] = True
-        pos = torch.arange(s + 1)
-        first = model.prefill(idx[:, :s], cache, pos[:s], pos[:s].expand(b, s), valid)
-        nxt = model.decode(idx[:, s:], cache, pos[s:], pos[s:].expand(b, 1), valid)
+        first = model.prefill(idx[:, :s], cache, torch.full((b,), s))
+        nxt = model.decode(idx[:, s:], cache, torch.full((b,), s))
         ref = model.log_probs(full)  # the mixture of the primary and both branches
     torch.testing.assert_close(first, ref[:, s - 1], rtol=0, atol=1e-5)
     torch.testing.assert_close(nxt, ref[:, s], rtol=0, atol=1e-5)

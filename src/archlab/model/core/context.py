@@ -48,17 +48,29 @@ PLAIN = Pass()
 class Context:
     """One run's positions, cache and row layout.
 
-    Without a cache: causal self-attention over the sequence (training, evaluation).
-    With a cache: new keys/values are written at ``input_pos`` (slots, shared by the batch) and
-    queries attend to every slot allowed by ``mask`` ([B, 1, T, S] boolean).
+    * No cache: causal self-attention over the run's own sequence (training, evaluation).
+    * A cache and no ``mask`` (a fresh prefill): the same causal self-attention, and the new
+      keys/values are also written to the cache at ``positions``.
+    * A cache and a ``mask`` [B, 1, T, S] (decode; the decode branch's row after a prefill): new
+      keys/values are written at ``positions`` and queries attend to the cache slots the mask allows.
+
+    ``positions`` [B, T] are each token's position in its sequence, which is also its cache slot;
+    ``cache_rows`` [B] the cache rows (sequences) the batch's rows use (None: rows ``0..B-1``).
     """
 
     rope: Any  # position tables from the position slot (head_dim -> (cos, sin) for RoPE)
     cache: Any = None  # a KVCache
-    input_pos: Tensor | None = None
+    positions: Tensor | None = None
+    cache_rows: Tensor | None = None
     mask: Tensor | None = None
-    rows: Pass = PLAIN
+    rows: Pass | None = None  # None: the plain pass
     aux_losses: list[Tensor] = field(default_factory=list)  # training-only losses (MoE balance)
+
+    def __post_init__(self) -> None:
+        # Not a field default: torch.compile cannot trace an object it meets only as a default
+        # argument (a graph break in every compiled forward), but it can trace a global.
+        if self.rows is None:
+            self.rows = PLAIN
 
     def add_aux_loss(self, loss: Tensor) -> None:
         self.aux_losses.append(loss)

@@ -148,22 +148,24 @@ class Transformer(nn.Module):
         ref = self.lm_head.weight
         return KVCache(shapes, batch, max_len, device or ref.device, dtype or ref.dtype)
 
-    def cached_context(self, cache: KVCache, input_pos: Tensor, rope_pos: Tensor, key_valid: Tensor) -> Context:
-        """A run writing the cache at slots ``input_pos`` [T] (shared by the batch), with RoPE
-        positions ``rope_pos`` [B, T]; ``key_valid`` [B, S] marks slots holding real tokens (left
-        padding is False)."""
-        slots = torch.arange(cache.max_len, device=input_pos.device)
-        causal = slots[None, :] <= input_pos[:, None]  # [T, S]
-        own = slots[None, :] == input_pos[:, None]  # a padded query still sees itself: no empty rows
-        mask = (causal[None] & key_valid[:, None, :]) | own[None]
-        return Context(rope=self.position.tables(rope_pos), cache=cache, input_pos=input_pos, mask=mask[:, None])
+    def cache_context(self, cache: KVCache, positions: Tensor, cache_rows: Tensor | None = None) -> Context:
+        """A run of tokens at ``positions`` [B, T] that attends to the cache: each query sees its
+        sequence's slots up to its own position."""
+        slots = torch.arange(cache.max_len, device=positions.device)
+        mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        return Context(rope=self.position.tables(positions), cache=cache, positions=positions,
+                       cache_rows=cache_rows, mask=mask[:, None])
 
-    def prefill(self, idx: Tensor, cache: KVCache, input_pos: Tensor, rope_pos: Tensor,
-                key_valid: Tensor) -> Tensor:
-        """Run prompts [B, S] into the cache; log-probabilities of the next token [B, V]."""
-        return self.rows.prefill(self, idx, self.cached_context(cache, input_pos, rope_pos, key_valid))
+    def prefill(self, idx: Tensor, cache: KVCache, lengths: Tensor, cache_rows: Tensor | None = None) -> Tensor:
+        """Run prompts ``idx`` [B, T] (row ``b``'s first ``lengths[b]`` tokens; the rest is
+        padding) into cache ``rows`` from position 0; log-probabilities of each prompt's next
+        token [B, V]. Padding writes cache slots that decoding overwrites before it reads them."""
+        b, t = idx.shape
+        positions = torch.arange(t, device=idx.device).expand(b, t)
+        ctx = Context(rope=self.position.tables(t), cache=cache, positions=positions, cache_rows=cache_rows)
+        return self.rows.prefill(self, idx, ctx, lengths)
 
-    def decode(self, idx: Tensor, cache: KVCache, input_pos: Tensor, rope_pos: Tensor,
-               key_valid: Tensor) -> Tensor:
-        """One new token per sequence [B, 1]; log-probabilities of the next token [B, V]."""
-        return self.rows.decode(self, idx, self.cached_context(cache, input_pos, rope_pos, key_valid))
+    def decode(self, idx: Tensor, cache: KVCache, positions: Tensor, cache_rows: Tensor | None = None) -> Tensor:
+        """One new token per sequence, ``idx`` [B, 1] at ``positions`` [B]; log-probabilities of
+        the next token [B, V]."""
+        return self.rows.decode(self, idx, self.cache_context(cache, positions[:, None], cache_rows))

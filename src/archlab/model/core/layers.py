@@ -103,10 +103,6 @@ class RopeTables(dict):
         cos, sin = self[head_dim]
         return apply_rope(x, cos, sin)
 
-    def tail(self, t: int) -> "RopeTables":
-        """The tables of the last ``t`` positions (of every row)."""
-        return RopeTables({hd: (cos[..., -t:, :], sin[..., -t:, :]) for hd, (cos, sin) in self.items()})
-
 
 class RoPE(nn.Module):
     """The ``position`` slot's core kind: rotary embeddings (theta ``rope_theta``) per head dim."""
@@ -151,7 +147,12 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bo
 
 
 class KVCache(nn.Module):
-    """Static per-layer key/value buffers [B, kv_heads, max_len, head_dim] (gpt-fast style)."""
+    """Static per-layer key/value buffers [B, kv_heads, max_len, head_dim] (gpt-fast style).
+
+    Row ``b`` holds one sequence, its token at position ``p`` in slot ``p``: every row has its own
+    length, so sequences join and leave a running batch without moving anything (continuous
+    batching), and a step's writes and reads have static shapes (CUDA graphs).
+    """
 
     def __init__(self, shapes: list[tuple[int, int]], batch: int, max_len: int, device, dtype):
         super().__init__()
@@ -164,14 +165,19 @@ class KVCache(nn.Module):
                                  persistent=False)
         self.n_layers = len(shapes)
 
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        return getattr(self, f"k{i}"), getattr(self, f"v{i}")
+    def layer(self, i: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s keys and values of cache ``rows`` (all rows when None)."""
+        kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+        return (kc, vc) if rows is None else (kc[rows], vc[rows])
 
-    def write(self, i: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        kc, vc = self.layer(i)
-        kc.index_copy_(2, input_pos, k.to(kc.dtype))
-        vc.index_copy_(2, input_pos, v.to(vc.dtype))
-        return kc, vc
+    def write(self, i: int, positions: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+        """Keys/values ``k``, ``v`` [B, H, T, hd] of tokens at ``positions`` [B, T] into cache ``rows``."""
+        kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+        if rows is None:
+            rows = torch.arange(k.shape[0], device=k.device)
+        # Index tensors on dims 0 and 2 around a slice: the indexed view is [B, T, H, hd].
+        kc[rows[:, None], :, positions] = k.transpose(1, 2).to(kc.dtype)
+        vc[rows[:, None], :, positions] = v.transpose(1, 2).to(vc.dtype)
 
 
 class Attention(nn.Module):
@@ -218,9 +224,9 @@ class Attention(nn.Module):
             k = ctx.rope.rotate(self._heads(k, self.n_kv_heads), self.head_dim)
             v = self._heads(v, self.n_kv_heads)
             if ctx.cache is not None:
-                k, v = ctx.cache.write(self.layer, ctx.input_pos, k, v)
-        elif ctx.cache is not None:
-            k, v = ctx.cache.layer(self.layer)
+                ctx.cache.write(self.layer, ctx.positions, k, v, ctx.cache_rows)
+        if ctx.cache is not None and ctx.mask is not None:  # attend over the cache, not the run's own K/V
+            k, v = ctx.cache.layer(self.layer, ctx.cache_rows)
         k, v = ctx.rows.share(self.layer, "kv", (k, v) if k is not None else None)
         o = self._attend(q, k, v, ctx, lead)
         return self.wo(o.transpose(1, 2).reshape(rows, o.shape[2], self.q_dim))
@@ -229,7 +235,7 @@ class Attention(nn.Module):
         """Attention of every row of ``q`` [R, H, T, hd]; rows past ``lead`` are followers of
         sequence ``row % batch``, which see the same keys/values and mask as that sequence."""
         batch, t = k.shape[0], q.shape[2]
-        if ctx.cache is None:
+        if ctx.mask is None:
             # Causal over the sequence; a follower row at t sees its sequence's K/V at <= t, which
             # is the same lower-triangular mask as the primary's own.
             parts = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
     from archlab.model.core.decoder import Block, Transformer
     from archlab.model.core.init import Init
     from archlab.model.core.spec import LayerSpec
+
+
+def last_of(x: Tensor, lengths: Tensor) -> Tensor:
+    """``x[b, lengths[b] - 1]`` for every row of ``x`` [B, T, ...], as [B, 1, ...]."""
+    return x[torch.arange(x.shape[0], device=x.device), lengths - 1][:, None]
 
 
 class PrimaryRows(nn.Module):
@@ -52,14 +58,15 @@ class PrimaryRows(nn.Module):
         """(primary logits [B, T, V], extra logits or None) of a full causal forward."""
         return model.logits(model.run(model.tok_emb(idx), ctx)), None
 
-    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
-        """Run the prompt (writing the cache); log-probabilities of the next token [B, V]."""
+    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor) -> Tensor:
+        """Run prompts (writing the cache); log-probabilities of each one's next token [B, V]."""
         hidden = model.run(model.tok_emb(idx), ctx)
-        return self.log_probs(model.logits(hidden[:, -1:]), None)[:, 0]
+        return self.log_probs(model.logits(last_of(hidden, lengths)), None)[:, 0]
 
     def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
         """One token per sequence ([B, 1]); log-probabilities of the next token [B, V]."""
-        return self.prefill(model, idx, ctx)
+        hidden = model.run(model.tok_emb(idx), ctx)
+        return self.log_probs(model.logits(hidden), None)[:, 0]
 
     # ---- the readout ----------------------------------------------------------------------------
     def log_probs(self, logits: Tensor, extra: Tensor | None) -> Tensor:

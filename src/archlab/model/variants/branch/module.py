@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
-from archlab.model.core.rows import PrimaryRows
+from archlab.model.core.rows import PrimaryRows, last_of
 from archlab.model.variants.branch.readout import readout_log_probs, readout_nll
 
 if TYPE_CHECKING:
@@ -81,26 +81,28 @@ class RecordPass(Pass):
 
 
 class FollowPass(Pass):
-    """Follower rows only, after a ``RecordPass`` pass over their sequences' primary rows. The
-    followers may cover the last ``t`` positions only (prefill): coupling sources are sliced."""
+    """Follower rows only, after a ``RecordPass`` over their sequences' primary rows: at every
+    position (training), or at one position per sequence, ``lengths - 1`` (a prefill's last token),
+    whose recorded values are picked out."""
 
     group = 1
 
-    def __init__(self, blocks: nn.ModuleList, record: RecordPass) -> None:
-        self.blocks, self.record = blocks, record
+    def __init__(self, blocks: nn.ModuleList, record: RecordPass, lengths: Tensor | None = None) -> None:
+        self.blocks, self.record, self.lengths = blocks, record, lengths
 
     def lead(self, rows: int) -> int:
         return 0
 
+    def _recorded(self, layer: int, name: str) -> Tensor:
+        value = self.record.values[(layer, name)]
+        return value if self.lengths is None else last_of(value, self.lengths)
+
     def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
         couple = _coupling(self.blocks, layer, name)
-        if couple is None:
-            return x
-        src = self.record.values[(layer, name)]
-        return couple(src[:, src.shape[1] - x.shape[1]:], x)
+        return x if couple is None else couple(self._recorded(layer, name), x)
 
     def share(self, layer: int, name: str, value: Any) -> Any:
-        return self.record.values[(layer, name)] if value is None else value
+        return self._recorded(layer, name) if value is None else value
 
 
 class GroupedPass(Pass):
@@ -169,14 +171,15 @@ class BranchRows(PrimaryRows):
         branch = model.logits(model.run(self.embed(model, idx), follow))
         return primary, branch.view(self.n_branches, *primary.shape)
 
-    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor) -> Tensor:
         record = RecordPass()
         hidden = model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record))
-        primary = model.logits(hidden[:, -1:])
-        # The first follower row: the last prompt position, in the same call.
-        last = dataclasses.replace(ctx, rope=ctx.rope.tail(1), input_pos=ctx.input_pos[-1:],
-                                   mask=ctx.mask[:, :, -1:], rows=FollowPass(model.layers, record))
-        branch = model.logits(model.run(self.embed(model, idx[:, -1:]), last))
+        primary = model.logits(last_of(hidden, lengths))
+        # The first follower rows: at each prompt's last token, in the same call, attending to the
+        # cache the primary rows just wrote.
+        last = model.cache_context(ctx.cache, (lengths - 1)[:, None], ctx.cache_rows)
+        last.rows = FollowPass(model.layers, record, lengths)
+        branch = model.logits(model.run(self.embed(model, last_of(idx, lengths)), last))
         return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
 
     def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:

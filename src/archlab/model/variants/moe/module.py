@@ -78,6 +78,13 @@ def _wide(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def expert_counts(expert: Tensor, n_experts: int) -> Tensor:
+    """Assignments per expert. ``bincount`` would do, but its output size depends on the data, which
+    breaks a compiled graph (and, on CUDA, a captured decode step) at every MoE layer."""
+    counts = torch.zeros(n_experts, dtype=torch.long, device=expert.device)
+    return counts.scatter_add_(0, expert, torch.ones_like(expert))
+
+
 def load_balance_loss(logits: Tensor, idx: Tensor, coef: float) -> Tensor:
     """``coef * E * sum_e f_e * P_e`` (Switch Transformer / GShard auxiliary loss).
 
@@ -87,7 +94,7 @@ def load_balance_loss(logits: Tensor, idx: Tensor, coef: float) -> Tensor:
     """
     n_experts = logits.shape[-1]
     probs = torch.softmax(_wide(logits).reshape(-1, n_experts), dim=-1)
-    counts = torch.bincount(idx.reshape(-1), minlength=n_experts).to(probs.dtype)
+    counts = expert_counts(idx.reshape(-1), n_experts).to(probs.dtype)
     f = counts / idx.numel()
     p = probs.mean(dim=0)
     return coef * n_experts * (f * p).sum()
@@ -252,7 +259,7 @@ class MoE(nn.Module):
         ``x`` [N, d] rows, ``tok``/``expert`` [M] int64. Dropless: every assignment is computed.
         """
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.n_experts)
+        counts = expert_counts(expert, self.n_experts)
         xs = x.index_select(0, tok.index_select(0, order))
         ys = self._experts_sorted(xs, counts)
         inv = torch.empty_like(order)

@@ -1,0 +1,126 @@
+"""Measured inference cost of a model, through the engine that serves it.
+
+``archlab bench``, ``benchmarks/decode_latency.py`` and the lab's cost columns all call these, so
+every latency archlab reports is the engine's. Times are medians of CUDA-event intervals after
+warm-up (wall clock on CPU). Each figure comes with its roofline: decode against the bytes a
+step must read (``accounting.decode_bytes_per_step``) over the measured copy bandwidth, prefill
+against the detected device's peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from archlab.infer.engine import Engine
+from archlab.infer.sampling import SamplingParams
+from archlab.model.accounting import decode_bytes_per_step, prefill_flops_per_token
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int, int], float]:
+    def cuda_ms(fn, reps: int, warm: int) -> float:
+        for _ in range(warm):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    def wall_ms(fn, reps: int, warm: int) -> float:
+        for _ in range(warm):
+            fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    return cuda_ms if device.type == "cuda" else wall_ms
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
+    """Measured device-to-device copy bandwidth, bytes/s (read + write counted)."""
+    if device.type != "cuda":
+        return float("nan")
+    n = mib * (1 << 20) // 4
+    a = torch.empty(n, device=device)
+    b = torch.empty_like(a)
+    ms = _timer(device)(lambda: b.copy_(a), 20, 5)
+    return 2 * a.numel() * 4 / (ms / 1e3)
+
+
+def prompt_tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random prompt (latency does not depend on which tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+@dataclass
+class PrefillResult:
+    prompt: int
+    batch: int
+    ms: float  # prompts in, first token chosen (time to first token without queueing)
+    tokens_per_s: float
+    mfu: float | None
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    context: int
+    ms_per_step: float  # one new token for every sequence of the batch
+    tokens_per_s: float
+    roofline_ms: float | None  # decode_bytes_per_step / measured copy bandwidth
+    frac_of_roofline: float | None
+
+
+def bench_prefill(model, prompt: int, batch: int = 1, reps: int = 10) -> PrefillResult:
+    from archlab.io.device import peak_flops
+
+    eng = Engine(model, slots=batch, max_len=max(prompt + 1, model.cfg.max_seq_len))
+    prompts = [prompt_tokens(prompt, model.cfg.vocab_size, seed=i) for i in range(batch)]
+    params = [SamplingParams(max_new_tokens=1, temperature=0)] * batch
+    rows = list(range(batch))
+    ms = _timer(eng.device)(lambda: eng.prefill(rows, prompts, params), reps, 3)
+    peak = peak_flops(eng.device)
+    flops = prefill_flops_per_token(model.cfg, prompt) * prompt * batch
+    return PrefillResult(prompt=prompt, batch=batch, ms=ms, tokens_per_s=prompt * batch / (ms / 1e3),
+                         mfu=flops / (ms / 1e3) / peak if peak else None)
+
+
+def bench_decode(model, batch: int, context: int, steps: int = 100, bandwidth: float | None = None,
+                 dtype_bytes: int | None = None) -> DecodeResult:
+    """Decode steps of ``batch`` sequences whose caches hold ``context`` tokens (the step's position
+    advances by one each step, starting at ``context``)."""
+    eng = Engine(model, slots=batch, max_len=context + steps + 16)
+    prompts = [prompt_tokens(context, model.cfg.vocab_size, seed=i) for i in range(batch)]
+    eng.prefill(list(range(batch)), prompts, [SamplingParams(max_new_tokens=steps + 1, temperature=0)] * batch)
+    timer = _timer(eng.device)
+    start = eng.positions.clone()
+
+    def one():
+        eng.step(greedy=True)
+
+    ms = timer(one, steps, 8)
+    eng.positions.copy_(start)
+    nbytes = dtype_bytes or model.lm_head.weight.element_size()
+    roof = None
+    if bandwidth and bandwidth == bandwidth:  # not NaN
+        roof = decode_bytes_per_step(model.cfg, context, batch, nbytes) / bandwidth * 1e3
+    return DecodeResult(batch=batch, context=context, ms_per_step=ms, tokens_per_s=batch / (ms / 1e3),
+                        roofline_ms=roof, frac_of_roofline=roof / ms if roof else None)
+
+
+def as_dict(result) -> dict:
+    return asdict(result)

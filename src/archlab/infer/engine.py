@@ -1,0 +1,310 @@
+"""The inference engine: a static KV cache of fixed slots, bucketed prefill, a graph-captured decode
+step, and a scheduler that streams requests through the slots (continuous batching).
+
+    engine = Engine(model, slots=8)
+    results = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32, temperature=0))
+
+Every model option runs through the same two model calls, ``model.prefill`` and ``model.decode``;
+the model's rows kind arranges them (the decode branch runs its first row inside the prefill and
+stacks its rows with the primary's in every decode step), so the engine never sees a variant.
+
+* **Slots.** The cache holds ``slots`` sequences of up to ``max_len`` tokens; each slot has its own
+  position, so a request joins the running batch by a prefill into a free slot and leaves it when
+  it stops, while the others keep decoding. A decode step always runs every slot (free ones
+  compute and are ignored), so its shapes never change.
+* **Prefill** pads the prompts of a batch to a length bucket (powers of two from 16) and, on CUDA,
+  runs a ``torch.compile``d function per (batch, bucket): a prompt length never recompiles.
+* **Decode** is one step for all slots: the model's forward for the new tokens, the readout,
+  sampling (``infer.sampling``: per-row parameters, no generator state) and the update of each
+  slot's token and position. On CUDA it is compiled once and captured as a CUDA graph, one graph
+  for greedy-only batches and one that samples; replaying it costs one launch.
+* **No host synchronisation per step** in ``generate``: tokens accumulate on the device and the
+  host looks at them every ``sync_every`` steps. The scheduler that serves streams reads each
+  step's tokens while the next step already runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from archlab.infer.sampling import SamplingParams, sample
+from archlab.model.core.decoder import Transformer
+
+MIN_BUCKET = 16
+
+
+def bucket(length: int, max_len: int) -> int:
+    """The prefill length a prompt of ``length`` tokens is padded to."""
+    return min(max_len, max(MIN_BUCKET, 1 << math.ceil(math.log2(max(length, 1)))))
+
+
+@dataclass
+class Request:
+    """One prompt in flight: what it asked for, what it produced, where it runs."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens), "cancelled"
+    on_token: Callable[["Request", int], None] | None = None  # called with each new token
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(self, model: Transformer, slots: int = 8, max_len: int | None = None,
+                 compile: bool | None = None, sync_every: int = 16):
+        self.model = model.eval()
+        cfg = model.cfg
+        self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
+        self.slots = slots
+        self.vocab = cfg.vocab_size
+        self.device = model.lm_head.weight.device
+        self.sync_every = sync_every
+        self.cuda = self.device.type == "cuda"
+        self.compile = self.cuda if compile is None else compile
+        self.cache = model.new_cache(slots, self.max_len)
+        dev = self.device
+        # Per-slot state, read and updated by the decode step (static addresses for the graph).
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)  # the token fed next
+        self.positions = torch.zeros(slots, dtype=torch.long, device=dev)  # its position
+        self.temperature = torch.zeros(slots, device=dev)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(slots, device=dev)
+        self.seed = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(slots, self.vocab, device=dev)  # the last step's predictions
+        self._graphs: dict[bool, Callable[[], None]] = {}
+        self._prefills: dict[tuple[int, int], Callable[..., Tensor]] = {}
+        if self.compile:
+            from torch import _dynamo
+
+            # One compiled prefill per (batch, bucket) shape and two decode variants: more than
+            # dynamo's default of 8 cached graphs per function.
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
+            self._decode_fn = torch.compile(self._decode_impl, dynamic=False)
+        else:
+            self._decode_fn = self._decode_impl
+
+    # ---- the two phases ---------------------------------------------------------------------------
+    def _prefill_impl(self, idx: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+        return self.model.prefill(idx, self.cache, lengths, rows)
+
+    @torch.no_grad()
+    def prefill(self, rows: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Tensor, Tensor]:
+        """Prompts into slots ``rows``; (first new token [n], its log-probabilities [n, V])."""
+        n = len(prompts)
+        longest = max(len(p) for p in prompts)
+        if not prompts or min(len(p) for p in prompts) < 1:
+            raise ValueError("every prompt needs at least one token")
+        for p, sp in zip(prompts, params):
+            if len(p) + sp.max_new_tokens - 1 > self.max_len:
+                raise ValueError(f"prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceed the "
+                                 f"context of {self.max_len} tokens")
+        t = bucket(longest, self.max_len)
+        idx = torch.zeros(n, t, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            idx[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        dev = self.device
+        idx, lengths = idx.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
+        row_t = torch.tensor(rows, device=dev)
+        self._set_params(row_t, params)
+        fn = self._prefill_fn(n, t)
+        logprobs = fn(idx, lengths, row_t)
+        tok = sample(logprobs, self.temperature[row_t], self.top_k[row_t], self.top_p[row_t], self.seed[row_t],
+                     lengths)
+        self.tokens[row_t] = tok
+        self.positions[row_t] = lengths
+        return tok, logprobs
+
+    def _prefill_fn(self, n: int, t: int) -> Callable[..., Tensor]:
+        if not self.compile:
+            return self._prefill_impl
+        fn = self._prefills.get((n, t))
+        if fn is None:
+            fn = self._prefills[(n, t)] = torch.compile(self._prefill_impl, dynamic=False)
+        return fn
+
+    def _set_params(self, rows: Tensor, params: list[SamplingParams]) -> None:
+        dev = self.device
+        self.temperature[rows] = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float)
+        self.top_k[rows] = torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long)
+        self.top_p[rows] = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float)
+        self.seed[rows] = torch.tensor([p.seed for p in params], device=dev, dtype=torch.long)
+
+    def _decode_impl(self, greedy: bool) -> tuple[Tensor, Tensor]:
+        logprobs = self.model.decode(self.tokens[:, None], self.cache, self.positions)
+        nxt = logprobs.argmax(-1) if greedy else sample(logprobs, self.temperature, self.top_k, self.top_p,
+                                                         self.seed, self.positions + 1)
+        return logprobs, nxt
+
+    def _step_body(self, greedy: bool) -> None:
+        logprobs, nxt = self._decode_fn(greedy)
+        self.logprobs.copy_(logprobs)
+        self.tokens.copy_(nxt)
+        # Free slots keep stepping; clamping keeps their (ignored) writes inside the cache.
+        self.positions.copy_(torch.clamp(self.positions + 1, max=self.max_len - 1))
+
+    @torch.no_grad()
+    def step(self, greedy: bool = False) -> Tensor:
+        """One decode step of every slot: feed each slot's token, sample the next into ``tokens``
+        (returned: [slots], on the device), advance the positions; ``logprobs`` holds the step's
+        predictions. ``greedy``: every active slot is greedy (a cheaper graph)."""
+        if not self.cuda:
+            self._step_body(greedy)
+            return self.tokens
+        graph = self._graphs.get(greedy)
+        if graph is None:
+            graph = self._graphs[greedy] = self._capture(greedy)
+        graph()
+        return self.tokens
+
+    def _capture(self, greedy: bool) -> Callable[[], None]:
+        """Compile (first calls) and capture the step as a CUDA graph. The warm-up steps write
+        into the cache and the state, so the state is saved and restored around them; their cache
+        writes land at positions that prefill or decoding overwrite before reading."""
+        saved = [t.clone() for t in (self.tokens, self.positions)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step_body(greedy)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step_body(greedy)
+        self.tokens.copy_(saved[0])
+        self.positions.copy_(saved[1])
+        return graph.replay
+
+    def warm_up(self, buckets: tuple[int, ...] = ()) -> None:
+        """Compile and capture ahead of the first request (a server does this at start): both
+        decode graphs and the single-prompt prefill of each bucket in ``buckets``."""
+        if self.cuda:
+            for greedy in (True, False):
+                if greedy not in self._graphs:
+                    self._graphs[greedy] = self._capture(greedy)
+        for t in buckets:
+            self.prefill([0], [[0] * t], [SamplingParams(max_new_tokens=1)])
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
+        """Run every prompt to completion through the slots; the finished requests, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [Request(p, sp, on_token=on_token) for p, sp in zip(prompts, plist)]
+        Scheduler(self).run(requests)
+        return requests
+
+
+class Scheduler:
+    """Admits requests into free slots, steps the engine, hands out tokens, frees finished slots."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError when ``request`` cannot run (it is then never queued)."""
+        request.params.check()
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        need = len(request.prompt) + request.params.max_new_tokens - 1
+        if need > self.engine.max_len:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_new_tokens}) "
+                             f"exceed the model's context of {self.engine.max_len} tokens")
+
+    def submit(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _emit(self, r: Request, token: int) -> None:
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+        r.tokens.append(token)
+        if token in r.params.stop_tokens:
+            r.finish_reason = "stop"
+        elif len(r.tokens) >= r.params.max_new_tokens:
+            r.finish_reason = "length"
+        if r.on_token is not None:  # after the finish reason: a stream ends with its last token
+            r.on_token(r, token)
+
+    def _free(self, slot: int) -> None:
+        self.running.pop(slot, None)
+
+    def admit(self) -> None:
+        """Prefill waiting requests into free slots (one prefill call for all of them)."""
+        for slot, r in list(self.running.items()):
+            if r.cancelled and not r.done:
+                r.finish_reason = "cancelled"
+            if r.done:
+                self._free(slot)
+        free = [s for s in range(self.engine.slots) if s not in self.running]
+        batch: list[tuple[int, Request]] = []
+        while self.waiting and free:
+            r = self.waiting.popleft()
+            if r.cancelled:
+                r.finish_reason = "cancelled"
+                continue
+            r.slot = free.pop(0)
+            batch.append((r.slot, r))
+        if not batch:
+            return
+        tok, _ = self.engine.prefill([s for s, _ in batch], [r.prompt for _, r in batch], [r.params for _, r in batch])
+        for (slot, r), t in zip(batch, tok.tolist()):
+            self.running[slot] = r
+            self._emit(r, t)
+
+    def run(self, requests: list[Request]) -> None:
+        """Serve ``requests`` to completion. When every request fits in the slots and nothing
+        streams, the host reads the tokens only every ``sync_every`` steps."""
+        for r in requests:
+            self.submit(r)
+        while not self.idle:
+            self.admit()
+            active = {s: r for s, r in self.running.items() if not r.done}
+            if not active:
+                continue
+            if self.waiting or any(r.on_token is not None for r in active.values()):
+                self.step_once()
+            else:
+                self._run_unsynced(active)
+
+    def step_once(self) -> None:
+        """One decode step for every slot; each running request gets its token."""
+        active = {s: r for s, r in self.running.items() if not r.done}
+        greedy = all(r.params.greedy for r in active.values())
+        tokens = self.engine.step(greedy).tolist()
+        for slot, r in active.items():
+            self._emit(r, tokens[slot])
+
+    def _run_unsynced(self, active: dict[int, Request]) -> None:
+        """Steps whose tokens stay on the device until ``sync_every`` of them have run."""
+        eng = self.engine
+        greedy = all(r.params.greedy for r in active.values())
+        left = max(r.params.max_new_tokens - len(r.tokens) for r in active.values())
+        n = min(eng.sync_every, left)
+        out = torch.empty(n, eng.slots, dtype=torch.long, device=eng.device)
+        for i in range(n):
+            out[i] = eng.step(greedy)
+        for row in out.tolist():
+            for slot, r in active.items():
+                if not r.done:
+                    self._emit(r, row[slot])

@@ -1,0 +1,94 @@
+"""Choosing the next token on the device, per row, with no host synchronisation.
+
+Every row of a batch carries its own temperature, top-k, top-p and seed as tensors, so one
+captured decode step serves any mix of greedy and sampled requests. Sampling is the Gumbel-max
+trick: ``argmax(logits / T + g)`` over the tokens top-k/top-p keep, where ``g = -log(-log u)``.
+
+The uniform ``u`` is not drawn from a generator's state: it is a hash of (seed, position, token id)
+(splitmix64 on int64 tensors). The same request therefore samples the same tokens whatever else
+shares its batch, whichever slot it lands in, and whether the step is replayed from a CUDA graph:
+a server's concurrent streams equal sequential generation, and tests can check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers, as signed 64-bit integers
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens (the OpenAI completion parameters' meaning)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    stop_tokens: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the first parameter out of range (the server's 400s)."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _lsr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scrambles every bit."""
+    x = (x ^ _lsr(x, 30)) * _M1
+    x = (x ^ _lsr(x, 27)) * _M2
+    return x ^ _lsr(x, 31)
+
+
+def uniforms(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """``u`` in (0, 1) for every (row, token id): [B, vocab], a pure function of its inputs."""
+    row = _mix(seed.long() * _GOLDEN + position.long())  # [B]
+    tokens = torch.arange(vocab, device=seed.device, dtype=torch.long)
+    h = _mix(row[:, None] + tokens[None, :] * _GOLDEN)
+    return (_lsr(h, 40).float() + 0.5) / float(1 << 24)  # 24 random bits, never 0 or 1
+
+
+def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+           position: Tensor) -> Tensor:
+    """One token per row from log-probabilities [B, V]; rows with temperature 0 take the argmax.
+
+    ``top_k`` keeps the k most likely tokens (0: all); ``top_p`` then keeps the smallest set of
+    most likely tokens whose probability reaches ``top_p`` (a token is dropped when the tokens
+    ranked above it already reach it; the first always stays). ``position`` is the position the
+    chosen token will have in its sequence (part of the hash).
+    """
+    logits = logprobs.float()
+    vocab = logits.shape[-1]
+    greedy = logits.argmax(-1)
+    scaled = logits / temperature.clamp_min(1e-6)[:, None]
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    keep = rank[None, :] < k[:, None]
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
+    kept = torch.zeros_like(keep).scatter(-1, order, keep)  # back to token order
+    gumbel = -torch.log(-torch.log(uniforms(seed, position, vocab)))
+    chosen = (scaled + gumbel).masked_fill(~kept, float("-inf")).argmax(-1)
+    return torch.where(temperature > 0, chosen, greedy)

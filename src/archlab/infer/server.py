@@ -1,0 +1,293 @@
+"""``archlab serve``: an OpenAI-compatible completions server on the engine (FastAPI + uvicorn).
+
+    POST /v1/completions   {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed",
+                            "stream"; archlab's extra: "top_k"}
+    GET  /v1/models
+
+One thread (``EngineLoop``) owns the engine and its scheduler: requests from any number of HTTP
+connections queue there and share the running decode batch, each in a slot of the static KV
+cache (continuous batching: a request joins at the next step after a slot frees). Tokens travel
+back to each connection's asyncio queue. A streaming response is server-sent events, one
+``text_completion`` chunk per piece of text, then ``data: [DONE]``.
+
+A malformed request is answered with a 4xx and an OpenAI-style JSON error before it reaches the
+engine, so it never disturbs the others. A client that disconnects cancels its request; the
+scheduler frees its slot before the next step.
+"""
+
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from archlab.infer.engine import Engine, Request, Scheduler
+from archlab.infer.sampling import SamplingParams
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class EngineLoop:
+    """The engine's thread: takes submitted requests, admits, steps, hands out tokens."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.scheduler = Scheduler(engine)
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="archlab-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put_nowait(None)  # type: ignore[arg-type]  # wakes a waiting loop
+        self.thread.join(timeout=10)
+
+    def submit(self, request: Request) -> None:
+        """Validate (raising ValueError for a bad request) and queue for the engine thread."""
+        self.scheduler.check(request)
+        self.inbox.put(request)
+
+    def _take(self, block: bool) -> None:
+        try:
+            r = self.inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return
+        while r is not None:
+            self.scheduler.waiting.append(r)
+            try:
+                r = self.inbox.get_nowait()
+            except queue.Empty:
+                r = None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take(block=self.scheduler.idle)
+                self.scheduler.admit()
+                if any(not r.done for r in self.scheduler.running.values()):
+                    self.scheduler.step_once()
+        except BaseException as e:  # pragma: no cover - reported to every waiting client
+            self.error = e
+            for r in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+                r.finish_reason = "error"
+                if r.on_token is not None:
+                    r.on_token(r, -1)
+
+
+@dataclass
+class Completion:
+    """One HTTP request's view of its engine request: tokens arrive on ``tokens``."""
+
+    request: Request
+    tokens: asyncio.Queue
+    stop_text: tuple[str, ...]
+
+
+def parse_completion(body: Any, model_name: str, tokenizer, eos: int | None) -> tuple[list[int], SamplingParams, tuple[str, ...], bool]:
+    """(prompt ids, sampling, stop strings, stream) from a request body, or ``BadRequest``."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model", 404,
+                         "model_not_found")
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            raise BadRequest(f"{key} must be 1 (one completion per request)", key)
+    for key in ("logprobs", "suffix"):
+        if body.get(key) is not None:
+            raise BadRequest(f"{key} is not supported", key)
+    if body.get("echo"):
+        raise BadRequest("echo is not supported", "echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt).ids if prompt else []
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise BadRequest("prompt must be one string or one list of token ids (batches: one request each)", "prompt")
+    if not ids:
+        raise BadRequest("the prompt is empty", "prompt")
+    if any(t < 0 or t >= tokenizer.get_vocab_size() for t in ids):
+        raise BadRequest("a prompt token id is outside the vocabulary", "prompt")
+
+    def number(key: str, default: Any, kind: type) -> Any:
+        value = body.get(key, default)
+        if value is None:
+            return default
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is int:
+            ok = ok and float(value).is_integer()
+        if not ok:
+            raise BadRequest(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", key)
+        return kind(value)
+
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+        stops = tuple(stop)
+    else:
+        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
+    params = SamplingParams(max_new_tokens=number("max_tokens", 16, int), temperature=number("temperature", 1.0, float),
+                            top_k=number("top_k", 0, int), top_p=number("top_p", 1.0, float),
+                            stop_tokens=(eos,) if eos is not None else (), seed=number("seed", 0, int))
+    try:
+        params.check()
+    except ValueError as e:
+        raise BadRequest(str(e), str(e).split()[0]) from None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", "stream")
+    return ids, params, stops, stream
+
+
+class TextStream:
+    """Incremental detokenisation: the new text after each token, cut at the first stop string
+    (which is not returned). Until the last token it holds back an incomplete UTF-8 character and
+    any tail that could still grow into a stop string, so no text sent is ever taken back."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], eos: int | None):
+        self.tokenizer, self.stops, self.eos = tokenizer, stops, eos
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, token: int, final: bool = False) -> str:
+        if token != self.eos:
+            self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            text, self.stopped = text[: min(cuts)], True
+        elif not final:
+            if text.endswith("\ufffd"):
+                return ""
+            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[: len(text) - hold]
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = None):
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="archlab", description="OpenAI-compatible completions on the archlab engine")
+    created = int(time.time())
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: HTTPRequest, e: BadRequest):
+        return JSONResponse(error_body(e.message, e.param, e.code), status_code=e.status)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "archlab", "max_model_len": loop.engine.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        ids, params, stops, stream = parse_completion(body, model_name, tokenizer, eos)
+        aloop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+
+        def on_token(r: Request, token: int) -> None:  # the engine thread
+            aloop.call_soon_threadsafe(tokens.put_nowait, (token, r.finish_reason))
+
+        request = Request(ids, params, on_token=on_token)
+        try:
+            loop.submit(request)
+        except ValueError as e:
+            raise BadRequest(str(e), "prompt" if "prompt" in str(e) else "max_tokens") from None
+        ident, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+            return {"id": ident, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+        async def pieces() -> AsyncIterator[tuple[str, str | None]]:
+            """(new text, finish reason or None) per token, until the request ends."""
+            text = TextStream(tokenizer, stops, eos)
+            try:
+                while True:
+                    token, finish = await tokens.get()
+                    if token < 0:
+                        raise RuntimeError(f"the engine failed: {loop.error!r}")
+                    delta = text.add(token, final=finish is not None)
+                    if text.stopped:
+                        request.cancelled = True  # frees the slot; the stop string ends it
+                        yield delta, "stop"
+                        return
+                    if finish is not None:
+                        yield delta, "stop" if finish == "stop" else "length"
+                        return
+                    if delta:
+                        yield delta, None
+            finally:
+                request.cancelled = request.cancelled or not request.done  # a dropped client
+
+        if stream:
+            async def events():
+                try:
+                    async for delta, finish in pieces():
+                        yield f"data: {json.dumps(chunk(delta, finish))}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:  # the client went away mid-stream: free the slot now
+                    if not request.done:
+                        request.cancelled = True
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        parts, finish = [], None
+        async for delta, finish in pieces():
+            parts.append(delta)
+        body = chunk("".join(parts), finish)
+        n = len(request.tokens)
+        body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+        return body
+
+    return app
+
+
+def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 16, device: str = "auto",
+          dtype: str = "auto", model_name: str | None = None, warm_up: bool = True) -> None:
+    """Load a checkpoint and serve it until interrupted."""
+    import uvicorn
+
+    from archlab.infer.loading import load_for_inference
+
+    model, tokenizer, eos, name = load_for_inference(ckpt, device, dtype)
+    engine = Engine(model, slots=slots)
+    if warm_up:
+        engine.warm_up()
+    loop = EngineLoop(engine).start()
+    try:
+        uvicorn.run(create_app(loop, tokenizer, model_name or name, eos), host=host, port=port, log_level="warning")
+    finally:
+        loop.stop()

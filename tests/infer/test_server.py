@@ -1,0 +1,141 @@
+"""``archlab serve`` driven by the official ``openai`` client against a tiny trained checkpoint:
+completions, streaming, concurrent streams equal to sequential generation, 4xx errors that leave
+the server serving, and a dropped client's slot freed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from archlab.infer.engine import Engine  # noqa: E402
+from archlab.infer.loading import load_for_inference  # noqa: E402
+from archlab.infer.sampling import SamplingParams  # noqa: E402
+from archlab.infer.server import EngineLoop, create_app  # noqa: E402
+
+SLOTS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_run):
+    model, tok, eos, _ = load_for_inference(tiny_run, "cpu", "float32")
+    loop = EngineLoop(Engine(model, slots=SLOTS)).start()
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "tiny", eos), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
+    yield client, model, tok, eos, loop, port
+    server.should_exit = True
+    thread.join(timeout=10)
+    loop.stop()
+
+
+def expected(model, tok, eos, prompt: str, max_tokens: int, **sampling) -> str:
+    """What sequential generation in a one-slot engine gives for the same request."""
+    params = SamplingParams(max_new_tokens=max_tokens, stop_tokens=(eos,), **sampling)
+    r = Engine(model, slots=1).generate([tok.encode(prompt).ids], params)[0]
+    return tok.decode([t for t in r.tokens if t != eos])
+
+
+def test_models_and_a_completion(served):
+    client, model, tok, eos, *_ = served
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt="def main(", max_tokens=12, temperature=0)
+    assert out.object == "text_completion" and out.choices[0].finish_reason in ("length", "stop")
+    assert out.choices[0].text == expected(model, tok, eos, "def main(", 12, temperature=0.0)
+    assert out.usage.prompt_tokens == len(tok.encode("def main(").ids) and 1 <= out.usage.completion_tokens <= 12
+
+
+def test_streaming_gives_the_same_text(served):
+    client, model, tok, eos, *_ = served
+    chunks = list(client.completions.create(model="tiny", prompt="import os\n", max_tokens=16, temperature=0,
+                                            stream=True))
+    assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert "".join(c.choices[0].text for c in chunks) == expected(model, tok, eos, "import os\n", 16, temperature=0.0)
+
+
+def test_stop_strings_cut_the_text(served):
+    client, model, tok, eos, *_ = served
+    full = expected(model, tok, eos, "class A:", 24, temperature=0.0)
+    assert len(full) > 4
+    stop = full[2:4]
+    out = client.completions.create(model="tiny", prompt="class A:", max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[: full.find(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streams_equal_sequential_generation(served):
+    """16 streams through 4 slots: they queue, join the running batch as slots free, and each
+    gets exactly what it gets alone (sampling is keyed by seed and position, not by batch)."""
+    client, model, tok, eos, *_ = served
+    jobs = [(f"def f{i}(x):\n    return", 6 + i % 5, dict(temperature=0.0 if i % 2 else 0.9, seed=i, top_p=0.95))
+            for i in range(16)]
+
+    def stream(job):
+        prompt, n, sp = job
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, stream=True,
+                                           temperature=sp["temperature"], seed=sp["seed"], top_p=sp["top_p"])
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(stream, jobs))
+    for (prompt, n, sp), text in zip(jobs, got):
+        assert text == expected(model, tok, eos, prompt, n, **sp)
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(model="gpt-4", prompt="x", max_tokens=4), "NotFoundError", "does not exist"),
+    (dict(model="tiny", prompt="x", max_tokens=-3), "BadRequestError", "max_tokens"),
+    (dict(model="tiny", prompt="x " * 400, max_tokens=4), "BadRequestError", "context"),
+    (dict(model="tiny", prompt="x", max_tokens=4, top_p=1.5), "BadRequestError", "top_p"),
+    (dict(model="tiny", prompt="", max_tokens=4), "BadRequestError", "empty"),
+    (dict(model="tiny", prompt="x", max_tokens=4, n=2), "BadRequestError", "n must be 1"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(served, kwargs, error, words):
+    client, *_ = served
+    with pytest.raises(getattr(openai, error)) as e:
+        client.completions.create(**kwargs)
+    assert words in str(e.value)
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+def test_malformed_json_is_400(served):
+    port = served[-1]
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_a_dropped_client_frees_its_slot(served):
+    client, model, tok, eos, loop, port = served
+    body = {"model": "tiny", "prompt": "def long(", "max_tokens": 200, "temperature": 0.9, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    # the connection is closed: within a few steps the request is cancelled and its slot free
+    deadline = time.time() + 20
+    while any(not r.done for r in loop.scheduler.running.values()):
+        assert time.time() < deadline, "the dropped request still holds its slot"
+        time.sleep(0.05)
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices[0].text is not None
