@@ -1,13 +1,14 @@
-"""Prefill and decode latency: decode-branch against the baseline, same weights, same shapes.
+"""Decode-Branch against the baseline on the inference engine: decode ms/step and prefill (time to
+first token), with the bandwidth roofline, per preset, measured in one process.
 
-    PYTHONPATH=src python benchmarks/decode_latency.py --data DIR [--presets 124m,1b]
-        [--batches 1,8,32] [--context 1024] [--prompts 512,2048]
+    python benchmarks/decode_latency.py --presets 124m,1b --batches 1,8 --context 1024 --prompt 2048
 
-Decode: one grouped step (primary row + branch row of the new token, one matmul per weight, one
-attention call over the shared cache) compiled with ``mode="reduce-overhead"`` (CUDA graphs), the
-KV cache in module buffers; median of per-step CUDA-event times after warm-up. Prefill: the
-primary path over the prompt (eager), and for the branch the extra branch row at the last prompt
-position. The roofline column is ``decode_bytes_per_step / measured copy bandwidth``.
+Both models of a preset share every weight but the branch's own tensors (the branch's coupling
+vectors are random, as trained ones are non-zero). Each row runs through ``archlab.infer.bench``
+(the engine that ``archlab serve`` and ``archlab bench`` use): a compiled prefill per length bucket
+and a decode step captured as a CUDA graph. The roofline of a decode step is
+``accounting.decode_bytes_per_step / measured copy bandwidth``; prefill is reported as MFU against
+the detected device's peak. Prints a Markdown table and one JSON object per row.
 """
 
 from __future__ import annotations
@@ -15,159 +16,86 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from archlab.config import make_config
-from archlab.infer.generate import DecodeStep
-from archlab.model import build_model
-from archlab.model.accounting import decode_bytes_per_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-DEVICE = "cuda"
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / time_ms(lambda: y.copy_(x), 20) * 1e3
+from archlab.config import make_config  # noqa: E402
+from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth  # noqa: E402
+from archlab.model import build_model  # noqa: E402
 
 
-def time_ms(fn, iters: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    if DEVICE != "cuda":  # CPU smoke runs of this script
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def real_tokens(data: str, n: int, vocab: int) -> torch.Tensor:
-    arr = np.fromfile(os.path.join(data, "val_000.bin"), dtype=np.uint16)
-    reps = -(-n // len(arr))
-    return torch.from_numpy(np.tile(arr, reps)[:n].astype(np.int64)).clamp_max(vocab - 1)
-
-
-def models(preset: str, max_len: int):
-    cfg = make_config(preset, overrides=[f"model.max_seq_len={max_len}", "model.branch.enabled=true"]).model
+def models(preset: str, max_len: int, extra: list[str]):
+    """(baseline, decode-branch) in bf16 on CUDA, the baseline holding the branch model's weights."""
+    over = [f"model.max_seq_len={max_len}", *extra]
     torch.manual_seed(0)
-    branch = build_model(cfg).to(DEVICE, torch.bfloat16).eval()
-    for n, p in branch.named_parameters():  # trained couplings are non-zero; zeros would flatter nothing
+    branch = build_model(make_config(preset, overrides=[*over, "model.branch.enabled=true"]).model)
+    for n, p in branch.named_parameters():
         if ".couple_" in n:
             torch.nn.init.normal_(p, 0.0, 0.02)
-    base_cfg = make_config(preset, overrides=[f"model.max_seq_len={max_len}"]).model
-    base = build_model(base_cfg).to(DEVICE, torch.bfloat16).eval()
+    base = build_model(make_config(preset, overrides=over).model)
     base.load_state_dict({k: v for k, v in branch.state_dict().items() if k in base.state_dict()})
-    return base, branch
-
-
-def prefill_ms(model, toks: torch.Tensor, max_len: int) -> float:
-    """Prefill of ``toks``, including the decode branch's first row when the model has one."""
-    b, s = toks.shape
-    dev = toks.device
-    pos = torch.arange(s, device=dev)
-    rope = pos[None].expand(b, s)
-    valid = torch.ones(b, max_len, dtype=torch.bool, device=dev)
-    cache = model.new_cache(b, max_len)
-    return time_ms(lambda: model.prefill(toks, cache, pos, rope, valid), 10)
-
-
-def decode_ms(model, batch: int, context: int, data: str, steps: int = 100) -> float:
-    max_len = context + steps + 16
-    dev = DEVICE
-    cache = model.new_cache(batch, max_len)
-    toks = real_tokens(data, batch * context, model.cfg.vocab_size).view(batch, context).to(dev)
-    pos = torch.arange(context, device=dev)
-    valid = torch.ones(batch, max_len, dtype=torch.bool, device=dev)
-    with torch.no_grad():
-        model.prefill(toks, cache, pos, pos[None].expand(batch, context), valid)
-        step = torch.compile(DecodeStep(model, cache), mode="reduce-overhead")
-        nxt = toks[:, -1:].contiguous()
-        i = [context]
-
-        def one():
-            p = torch.tensor([i[0]], device=dev)
-            step(nxt, p, p[None].expand(batch, 1), valid)
-            i[0] += 1
-
-        return time_ms(one, steps, warm=8)
+    dev = torch.device("cuda")
+    return base.to(dev, torch.bfloat16).eval(), branch.to(dev, torch.bfloat16).eval()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--presets", default="124m")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--presets", default="124m,1b")
+    ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--prompts", default="512,2048")
-    ap.add_argument("--json")
-    ap.add_argument("--cpu-smoke", action="store_true", help="run on the CPU to check the script itself")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--set", action="append", default=[], dest="extra", help="config override for both models")
+    ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
-    global DEVICE
-    if args.cpu_smoke:
-        DEVICE = "cpu"
-    elif not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         print("decode_latency: no CUDA device; nothing to measure")
         return
-    bw = copy_bandwidth() if DEVICE == "cuda" else 1e10
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    print(json.dumps({"device": name, "copy_GBps": bw / 1e9}), flush=True)
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "torch": torch.__version__}),
+          flush=True)
     rows = []
     with torch.no_grad():
         for preset in args.presets.split(","):
-            prompts = [int(p) for p in args.prompts.split(",")]
-            base, branch = models(preset, max(max(prompts), args.context) + 256)
-            for s in prompts:
-                toks = real_tokens(args.data, s, base.cfg.vocab_size).view(1, s).to(DEVICE)
-                tb = prefill_ms(base, toks, s + 8)
-                tp = prefill_ms(branch, toks, s + 8)  # the first branch row runs inside the prefill
-                r = {"kind": "prefill", "preset": preset, "prompt": s, "baseline_ms": tb, "branch_ms": tp,
-                     "ratio": tp / tb}
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-            for bsz in [int(b) for b in args.batches.split(",")]:
-                tb = decode_ms(base, bsz, args.context, args.data)
-                tbr = decode_ms(branch, bsz, args.context, args.data)
-                roof_b = decode_bytes_per_step(base.cfg, args.context, bsz) / bw * 1e3
-                roof_d = decode_bytes_per_step(branch.cfg, args.context, bsz) / bw * 1e3
-                r = {"kind": "decode", "preset": preset, "batch": bsz, "context": args.context, "baseline_ms": tb,
-                     "branch_ms": tbr, "ratio": tbr / tb, "roofline_baseline_ms": roof_b,
-                     "roofline_branch_ms": roof_d, "baseline_frac_of_roofline": roof_b / tb,
-                     "branch_frac_of_roofline": roof_d / tbr}
+            max_len = max(args.prompt, args.context + args.steps + 16)
+            base, branch = models(preset, max_len, args.extra)
+            pre = {name: bench_prefill(m, args.prompt) for name, m in (("baseline", base), ("branch", branch))}
+            r = {"kind": "prefill", "preset": preset, "prompt": args.prompt,
+                 "baseline": as_dict(pre["baseline"]), "branch": as_dict(pre["branch"]),
+                 "ratio": pre["branch"].ms / pre["baseline"].ms}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            for b in [int(x) for x in args.batches.split(",")]:
+                dec = {name: bench_decode(m, b, args.context, args.steps, bw)
+                       for name, m in (("baseline", base), ("branch", branch))}
+                r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context,
+                     "baseline": as_dict(dec["baseline"]), "branch": as_dict(dec["branch"]),
+                     "ratio": dec["branch"].ms_per_step / dec["baseline"].ms_per_step}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             del base, branch
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-    print("\n| preset | phase | shape | baseline ms | decode-branch ms | ratio | roofline ms (base / branch) |")
+            torch.cuda.empty_cache()
+    print("\n| preset | phase | shape | baseline ms | decode-branch ms | ratio | roofline (baseline / branch) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        b, d = r["baseline"], r["branch"]
         if r["kind"] == "prefill":
-            print(f"| {r['preset']} | prefill | prompt {r['prompt']} | {r['baseline_ms']:.3f} | "
-                  f"{r['branch_ms']:.3f} (incl. first branch row) | {r['ratio']:.3f} | - |")
+            mfu = lambda x: f"{x['mfu']:.1%} MFU" if x["mfu"] else "-"  # noqa: E731
+            print(f"| {r['preset']} | prefill (TTFT) | prompt {r['prompt']} | {b['ms']:.3f} | {d['ms']:.3f} | "
+                  f"{r['ratio']:.3f} | {mfu(b)} / {mfu(d)} |")
         else:
-            print(f"| {r['preset']} | decode | batch {r['batch']}, ctx {r['context']} | {r['baseline_ms']:.3f} | "
-                  f"{r['branch_ms']:.3f} | {r['ratio']:.3f} | {r['roofline_baseline_ms']:.3f} / "
-                  f"{r['roofline_branch_ms']:.3f} |")
+            print(f"| {r['preset']} | decode | batch {r['batch']}, ctx {r['context']} | {b['ms_per_step']:.3f} | "
+                  f"{d['ms_per_step']:.3f} | {r['ratio']:.3f} | {b['frac_of_roofline']:.1%} / "
+                  f"{d['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} / {d['roofline_ms']:.3f} ms |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    os._exit(0)
+    os._exit(0)  # skip interpreter teardown of compiled graphs
 
 
 if __name__ == "__main__":

@@ -139,3 +139,10 @@ def test_a_dropped_client_frees_its_slot(served):
         assert time.time() < deadline, "the dropped request still holds its slot"
         time.sleep(0.05)
     assert client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices[0].text is not None
+
+
+def test_stream_usage_chunk(served):
+    client, *_ = served
+    chunks = list(client.completions.create(model="tiny", prompt="x = ", max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5

@@ -1,10 +1,14 @@
 """Corpora to token shards (``prepare``) and token shards to training batches (``TokenData``).
 
-Submodules are imported on use (``archlab.data.TokenData`` imports torch), so that the command
-line can build its parser without them.
+``TokenData`` (which imports torch) is imported on use, so that the command line can build its
+parser without torch.
 """
 
 from __future__ import annotations
+
+# Bound eagerly: importing the submodule ``archlab.data.prepare`` would otherwise leave the
+# package attribute ``prepare`` naming the module rather than the function.
+from archlab.data.prepare import prepare
 
 __all__ = ["TokenData", "prepare"]
 
@@ -14,8 +18,4 @@ def __getattr__(name: str):
         from archlab.data.loader import TokenData
 
         return TokenData
-    if name == "prepare":
-        from archlab.data.prepare import prepare
-
-        return prepare
     raise AttributeError(name)

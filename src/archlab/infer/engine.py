@@ -172,6 +172,19 @@ class Engine:
         return self.tokens
 
     def _capture(self, greedy: bool) -> Callable[[], None]:
+        """The step as a CUDA graph; a step that cannot be captured (one that reads a value on the
+        host, e.g. MoE's per-expert loop outside bf16) runs uncaptured, said once on stderr."""
+        try:
+            return self._capture_graph(greedy)
+        except RuntimeError as e:
+            import sys
+
+            print(f"archlab: the decode step runs without a CUDA graph ({str(e).splitlines()[0][:120]})",
+                  file=sys.stderr)
+            torch.cuda.synchronize()
+            return lambda: self._step_body(greedy)
+
+    def _capture_graph(self, greedy: bool) -> Callable[[], None]:
         """Compile (first calls) and capture the step as a CUDA graph. The warm-up steps write
         into the cache and the state, so the state is saved and restored around them; their cache
         writes land at positions that prefill or decoding overwrite before reading."""

@@ -253,11 +253,20 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
             finally:
                 request.cancelled = request.cancelled or not request.done  # a dropped client
 
+        def usage() -> dict[str, int]:
+            n = len(request.tokens)
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
         if stream:
+            options = body.get("stream_options") or {}
+            with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+
             async def events():
                 try:
                     async for delta, finish in pieces():
                         yield f"data: {json.dumps(chunk(delta, finish))}\n\n"
+                    if with_usage:  # OpenAI's stream_options.include_usage: one more chunk, no choices
+                        yield f"data: {json.dumps({**chunk('', None), 'choices': [], 'usage': usage()})}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # the client went away mid-stream: free the slot now
                     if not request.done:
@@ -267,10 +276,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
         parts, finish = [], None
         async for delta, finish in pieces():
             parts.append(delta)
-        body = chunk("".join(parts), finish)
-        n = len(request.tokens)
-        body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-        return body
+        return {**chunk("".join(parts), finish), "usage": usage()}
 
     return app
 

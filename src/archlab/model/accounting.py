@@ -30,7 +30,7 @@ from archlab.model import registry
 from archlab.model.config import ModelConfig
 from archlab.model.core.cost import Cost
 from archlab.model.core.layers import Attention
-from archlab.model.core.spec import layer_specs
+from archlab.model.core.spec import base_width, layer_specs, layer_visits
 
 
 @dataclass
@@ -42,8 +42,10 @@ class Part:
 
 def parts(cfg: ModelConfig) -> list[Part]:
     """Every component of ``cfg``'s model with its cost."""
-    d, V = cfg.d_model, cfg.vocab_size
+    V = cfg.vocab_size
     specs = layer_specs(cfg)
+    d = base_width(cfg)  # the embedding's width
+    final = specs[layer_visits(cfg)[-1]].d  # the unembedding's
     norm = cfg.variant("norm").load()
     ffn = cfg.variant("ffn").load()
     out = [Part("embedding", None, Cost(params=V * d, embedding=V * d))]
@@ -54,10 +56,10 @@ def parts(cfg: ModelConfig) -> list[Part]:
         out += [Part(f"L{s.layer}.attn", s.layer, Attention.cost(cfg, s)),
                 Part(f"L{s.layer}.ffn", s.layer, ffn.cost(cfg, s)),
                 Part(f"L{s.layer}.norms", s.layer, norms)]
-    out.append(Part("final_norm", None, norm.cost(cfg, "final", d)))
-    head = Cost(params=0 if cfg.tie_embeddings else V * d, flops=2 * d * V,
+    out.append(Part("final_norm", None, norm.cost(cfg, "final", final)))
+    head = Cost(params=0 if cfg.tie_embeddings else V * final, flops=2 * final * V,
                 # a tied table is read whole as the unembedding
-                decode_params=(lambda batch: V * d) if cfg.tie_embeddings else None)
+                decode_params=(lambda batch: V * final) if cfg.tie_embeddings else None)
     out.append(Part("head", None, head))
     return out
 
@@ -112,7 +114,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
 def decode_bytes_per_step(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> float:
     """Bytes read (and KV written) by one decode step of ``batch`` sequences at ``context``."""
     weights = sum(p.cost.params_read_by_decode(batch) for p in parts(cfg))
-    embed_rows = batch * (1 + followers(cfg)) * cfg.d_model
+    embed_rows = batch * (1 + followers(cfg)) * base_width(cfg)
     kv = kv_bytes_per_token(cfg, dtype_bytes)
     return (weights + embed_rows) * dtype_bytes + batch * context * kv + batch * kv
 

@@ -1,4 +1,4 @@
-"""The zoo's options composed in pairs, with each other and with the decode branch, MHAR (AttnRes
+"""The zoo's options (Prism, TriPLU, gamma-init, LayerRoPE, variable width) composed in pairs, with each other and with the decode branch, MHAR (AttnRes
 with 4 routing heads) and MoE: every pair builds, trains three optimizer steps with finite loss,
 decodes from the KV cache exactly as the full forward predicts, and round-trips a checkpoint.
 TriPLU and MoE are both kinds of the ffn slot, so that pair cannot be asked for (one model.ffn)."""
@@ -25,14 +25,16 @@ OPTIONS = {
     "triplu": ["model.ffn=triplu"],
     "gamma": ["model.init=gamma", "model.norm_eps=1e-12"],
     "layerrope": ["model.norm=layerrope", "model.layerrope.learnable=true"],
+    "width": ["model.width=variable", "model.variable_width.head_dim=8", "model.variable_width.multiple_of=16"],
     "branch": ["model.branch.enabled=true"],
     "attnres": ["model.residual.kind=attnres", "model.residual.heads=4"],
     "moe": ["model.ffn=moe", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.shared_expert=true"],
 }
-ZOO_OPTIONS = ("prism", "triplu", "gamma", "layerrope")
+ZOO_OPTIONS = ("prism", "triplu", "gamma", "layerrope", "width")
 SAME_SLOT = {("triplu", "moe")}  # both fill the ffn slot
+EXCLUDED = {("prism", "width")}  # refused at config time (tested in test_width.py)
 PAIRS = [p for p in itertools.combinations(OPTIONS, 2)
-         if (p[0] in ZOO_OPTIONS or p[1] in ZOO_OPTIONS) and p not in SAME_SLOT]
+         if (p[0] in ZOO_OPTIONS or p[1] in ZOO_OPTIONS) and p not in SAME_SLOT | EXCLUDED]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,10 +88,11 @@ def test_pair_trains_decodes_and_round_trips(pair, tmp_path):
 
 
 def test_pairs_cover_every_zoo_option_with_every_other():
-    assert len(PAIRS) == 17
+    assert len(PAIRS) == 23
     for z in ZOO_OPTIONS:
         partners = {q for p in PAIRS if z in p for q in p if q != z}
-        assert partners == set(OPTIONS) - {z} - ({"moe"} if z == "triplu" else set())
+        excluded = {q for p in SAME_SLOT | EXCLUDED if z in p for q in p if q != z}
+        assert partners == set(OPTIONS) - {z} - excluded
 
 
 @pytest.mark.parametrize("path", sorted(ZOO.glob("*.yaml")), ids=lambda p: p.name)

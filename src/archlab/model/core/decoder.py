@@ -25,7 +25,7 @@ from archlab.model import registry
 from archlab.model.config import ModelConfig
 from archlab.model.core.context import Context
 from archlab.model.core.layers import Attention, KVCache
-from archlab.model.core.spec import LayerSpec, layer_specs, layer_visits
+from archlab.model.core.spec import LayerSpec, base_width, layer_specs, layer_visits
 
 
 @dataclass
@@ -75,10 +75,13 @@ class Transformer(nn.Module):
         kinds = registry.chosen(cfg)
         self.specs = layer_specs(cfg)
         self.visits = layer_visits(cfg)
+        self.base_width = base_width(cfg)
+        self.widths = [s.d for s in self.specs]
+        self.varying_width = len(set(self.widths + [self.base_width])) > 1
         # Construction order is part of reproducibility: modules draw their default init from the
         # global RNG as they are built, and the parameter order fixes the optimizer's and the
         # gradient-norm reduction's order. Embeddings, rows, residual, layers, final norm, head.
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, self.base_width)
         self.rows = kinds["rows"].load()(cfg)
         self.rows.attach_embeddings(self)
         self.position = kinds["position"].load()(cfg, self.specs)
@@ -91,8 +94,9 @@ class Transformer(nn.Module):
             block = Block(cfg, spec, self.norms, ffn)
             self.rows.attach_block(block, spec)
             self.layers.append(block)
-        self.norm = self.norms.site(None, "final", cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        final = self.widths[self.visits[-1]]
+        self.norm = self.norms.site(None, "final", final)
+        self.lm_head = nn.Linear(final, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
@@ -115,8 +119,12 @@ class Transformer(nn.Module):
     def run(self, x: Tensor, ctx: Context) -> Tensor:
         """Embedded rows [R, T, d] through the layer schedule; the final-normed hidden state."""
         state = self.residual.start(x, ctx)
+        width, seen = self.base_width, []  # seen: states at each resize (the width slot's refill)
         for layer in self.visits:
             block = self.layers[layer]
+            if self.varying_width and self.widths[layer] != width:
+                width = self.widths[layer]
+                state = self.residual.resize(state, width, seen)
             site = 2 * layer
             state = self.residual.write(state, site, block.attention(self.residual.read(state, site), ctx))
             state = self.residual.write(state, site + 1, block.feed_forward(self.residual.read(state, site + 1), ctx))

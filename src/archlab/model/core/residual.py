@@ -7,6 +7,7 @@ conversion (``archlab.model.variants.attnres``) plug in without touching the mod
     h = stream.read(state, site)               # input of sublayer ``site`` (0 .. 2L-1)
     state = stream.write(state, site, out)     # after the sublayer produced ``out``
     x = stream.final(state)                    # before the final norm
+    state = stream.resize(state, width, seen)  # between layers of different widths (width slot)
 
 Sites are numbered attention-then-MLP: layer ``l`` has sites ``2l`` and ``2l + 1``. A stream kind
 is a module built as ``cls(cfg, specs)`` with those four methods, ``init_parameters(init)`` and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 
 from archlab.model.core.context import Context
@@ -27,6 +29,20 @@ if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
     from archlab.model.core.init import Init
     from archlab.model.core.spec import LayerSpec
+
+
+def resize_stream(x: Tensor, width: int, seen: list[Tensor]) -> Tensor:
+    """The parameter-free resize of a residual stream ``x`` [..., w] to ``width`` (><former):
+    shrinking keeps the first ``width`` coordinates; growing refills the new ones from the most
+    recent earlier state that was wide enough, else zeros. ``seen`` collects the states at each
+    resize of this run (the caller keeps it for the run)."""
+    seen.append(x)
+    w = x.shape[-1]
+    if width <= w:
+        return x[..., :width]
+    src = next((s for s in reversed(seen) if s.shape[-1] >= width), None)
+    fill = src[..., w:width] if src is not None else x.new_zeros(*x.shape[:-1], width - w)
+    return torch.cat([x, fill.to(x.dtype)], dim=-1)
 
 
 class StandardResidual(nn.Module):
@@ -49,6 +65,9 @@ class StandardResidual(nn.Module):
 
     def final(self, state: Tensor) -> Tensor:
         return state
+
+    def resize(self, state: Tensor, width: int, seen: list[Tensor]) -> Tensor:
+        return resize_stream(state, width, seen)
 
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:

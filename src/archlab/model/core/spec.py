@@ -39,13 +39,25 @@ class LayerSpec:
 
 
 class UniformWidth:
-    """Every layer at ``d_model``."""
+    """Every layer at ``d_model``.
+
+    A width kind gives each layer's width (``widths``), the width of the token embedding
+    (``base_width``), the FFN hidden size at a width (``hidden``) and may adjust a layer's heads
+    to its width (``heads``). Between layers of different widths the residual stream resizes
+    itself (``resize`` of the residual kinds, ``archlab.model.core.residual``).
+    """
 
     def __init__(self, cfg: "ModelConfig") -> None:
         self.cfg = cfg
 
     def widths(self) -> list[int]:
         return [self.cfg.d_model] * self.cfg.n_layers
+
+    def base_width(self) -> int:
+        return self.cfg.d_model
+
+    def heads(self, n_heads: int, n_kv_heads: int, head_dim: int, width: int) -> tuple[int, int, int]:
+        return n_heads, n_kv_heads, head_dim
 
     def hidden(self, width: int) -> int:
         """The FFN hidden size at ``width``: ``ffn_hidden`` or 8/3 of the width (multiple of 64)."""
@@ -88,9 +100,14 @@ def layer_specs(cfg: "ModelConfig") -> list[LayerSpec]:
     heads = _slot(cfg, "heads")
     specs = []
     for layer, d in enumerate(width.widths()):
-        h, kvh, hd = heads.heads(layer, d)
+        h, kvh, hd = width.heads(*heads.heads(layer, d), d)
         specs.append(LayerSpec(layer=layer, d=d, n_heads=h, n_kv_heads=kvh, head_dim=hd, hidden=width.hidden(d)))
     return specs
+
+
+def base_width(cfg: "ModelConfig") -> int:
+    """The width of the token embedding (and of every follower row's embedding)."""
+    return _slot(cfg, "width").base_width()
 
 
 def layer_visits(cfg: "ModelConfig") -> list[int]:

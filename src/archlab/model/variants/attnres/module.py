@@ -87,6 +87,14 @@ Block/group partial sums add ``d`` per sublayer output added to a non-empty part
 adds ``2*d`` per read for ``p + g*r``. The delta's own ``p <- p + out`` is the standard
 residual's add, which the standard residual counts as 0, so it is not counted either.
 
+**Across layer widths** (a ``width`` kind such as ><former's variable width): every source keeps
+the full base width, zero beyond the width of the sublayer that wrote it, and a read at width
+``w`` routes over every source's first ``w`` coordinates (the norm, the logits and the weighted
+sum over those ``w``, with the first ``w`` entries of the site's query and gain). A narrower
+layer so sees the wider sources truncated and a wider one the narrower sources zero-filled: the
+routing analogue of truncate/refill, with no parameters. The delta stream ``p`` resizes as a
+standard stream does. Widths that vary use the list path (the buffered kernels assume one width).
+
 **Diagnostics.** ``with stream.recording() as rec:`` collects, per (row group, site), the routing
 weights averaged over positions, per-position pairwise Jensen-Shannon divergences between heads
 and, with ``sources=True``, the sources and read values themselves (tests). No model copy.
@@ -108,6 +116,8 @@ from torch import Tensor, nn
 from archlab.kernels.routing import resolve_impl, route
 from archlab.model.core.context import Context
 from archlab.model.core.cost import Cost
+from archlab.model.core.residual import resize_stream
+from archlab.model.core.spec import base_width
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -221,7 +231,8 @@ class RoutingRecorder:
 class DepthState:
     """The depth history of one row group in one forward."""
 
-    shape: torch.Size  # the group's activation shape [..., d]
+    shape: torch.Size  # the group's activation shape [..., d] at the start
+    width: int  # the width reads return now (the layer's; the base width without a width kind)
     dtype: torch.dtype  # dtype of the sources as stored (the embedding's)
     device: torch.device
     rows: int  # M, positions of the group
@@ -405,7 +416,8 @@ class DepthRouting(nn.Module):
 
     def __init__(self, cfg: "ModelConfig", specs: "list[LayerSpec]", n_blocks: int):
         super().__init__()
-        self.d = cfg.d_model
+        self.d = max([base_width(cfg)] + [s.d for s in specs])  # sources are stored this wide
+        self.varying_width = any(s.d != self.d for s in specs)
         self.n_layers = cfg.n_layers
         self.n_sites = 2 * cfg.n_layers
         self.heads = cfg.residual.heads
@@ -470,7 +482,7 @@ class DepthRouting(nn.Module):
     def _use_buffer(self, device: torch.device) -> tuple[str, bool]:
         impl = resolve_impl(self.impl, device)
         buffered = self.buffered if self.buffered is not None else impl != "reference"
-        return impl, buffered
+        return impl, buffered and not self.varying_width
 
     def _new_state(self, x0: Tensor, first: Tensor, ctx: Context) -> DepthState:
         """A state whose first source is ``first`` [M, d]."""
@@ -479,7 +491,8 @@ class DepthRouting(nn.Module):
         dtype = self.source_dtype
         if dtype is None:
             dtype = torch.get_autocast_dtype(x0.device.type) if autocast else x0.dtype
-        state = DepthState(shape=x0.shape, dtype=dtype, device=x0.device, rows=first.shape[0], impl=impl,
+        state = DepthState(shape=x0.shape, width=x0.shape[-1], dtype=dtype, device=x0.device, rows=first.shape[0],
+                           impl=impl,
                            buffered=buffered, read_dtype=None if autocast or dtype == x0.dtype else x0.dtype)
         state.stream = ctx.rows.group
         self._complete(state, first)
@@ -494,7 +507,9 @@ class DepthRouting(nn.Module):
 
     def _accumulate(self, state: DepthState, site: int, out: Tensor) -> None:
         """Add sublayer ``site``'s output to its block; a finished block becomes a source."""
-        o = out.reshape(state.rows, self.d)
+        o = out.reshape(state.rows, out.shape[-1])
+        if o.shape[-1] < self.d:  # a narrower layer's output: zero beyond its width
+            o = torch.nn.functional.pad(o, (0, self.d - o.shape[-1]))
         j = self.block_of[site]
         if self.n_blocks == self.n_sites:  # full: the raw output is the source
             self._complete(state, o)
@@ -520,6 +535,8 @@ class DepthRouting(nn.Module):
         else:
             srcs = state.done + ([state.partial] if state.partial is not None else [])
             sources = torch.stack([s.to(state.dtype) for s in srcs])
+            if state.width < self.d:  # a narrower layer reads every source's first coordinates
+                sources, query, gain = sources[..., :state.width], query[:state.width], gain[:state.width]
             if want:
                 out, weights = route(sources, query, gain, self.heads, self.eps, impl, return_weights=True)
             else:
@@ -558,15 +575,30 @@ class DepthRouting(nn.Module):
     def final(self, state: DepthState) -> Tensor:
         return self.read(state, self.n_sites)
 
+    def resize(self, state: DepthState, width: int, seen: list[Tensor]) -> DepthState:
+        state.width = width
+        if state.p is not None:
+            state.p = resize_stream(state.p, width, seen)
+        return state
+
     # ---- cost ---------------------------------------------------------------------------------------
     @staticmethod
-    def _read_flops(cfg: "ModelConfig", n_blocks: int) -> int:
-        d = cfg.d_model
+    def _read_widths(specs: "list[LayerSpec]") -> list[int]:
+        """The width of each read: sites 0..2L-1 at their layer's width, then the final read."""
+        return [specs[site // 2].d for site in range(2 * len(specs))] + [specs[-1].d]
+
+    @staticmethod
+    def _read_flops(cfg: "ModelConfig", specs: "list[LayerSpec]", n_blocks: int) -> int:
         s = 2 * cfg.n_layers
-        flops = sum(7 * n * d for n in read_source_counts(cfg, n_blocks))
-        if n_blocks < s:  # partial sums: every output but each block's first is an add
-            flops += (s - n_blocks) * d
-        return flops
+        widths = DepthRouting._read_widths(specs)
+        flops = sum(7 * n * w for n, w in zip(read_source_counts(cfg, n_blocks), widths))
+        firsts = set(block_bounds(s, n_blocks)[:-1])
+        # partial sums: every output but each block's first is an add
+        return flops + sum(widths[site] for site in range(s) if n_blocks < s and site not in firsts)
+
+    @staticmethod
+    def _stored_width(cfg: "ModelConfig", specs: "list[LayerSpec]") -> int:
+        return max([base_width(cfg)] + [s.d for s in specs])
 
 
 class AttnResResidual(DepthRouting):
@@ -579,15 +611,15 @@ class AttnResResidual(DepthRouting):
         return self._new_state(x0, x0.reshape(-1, x0.shape[-1]), ctx)
 
     def _read(self, state: DepthState, site: int) -> Tensor:
-        return self._route(state, site).view(state.shape)
+        return self._route(state, site).view(*state.shape[:-1], state.width)
 
     def _write(self, state: DepthState, site: int, out: Tensor) -> None:
         self._accumulate(state, site, out)
 
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
-        return Cost(params=(2 * cfg.n_layers + 1) * 2 * cfg.d_model,
-                    flops=DepthRouting._read_flops(cfg, attnres_blocks(cfg)))
+        return Cost(params=(2 * cfg.n_layers + 1) * 2 * cls._stored_width(cfg, specs),
+                    flops=cls._read_flops(cfg, specs, attnres_blocks(cfg)))
 
 
 class DeltaResidual(DepthRouting):
@@ -617,7 +649,7 @@ class DeltaResidual(DepthRouting):
         return state
 
     def _read(self, state: DepthState, site: int) -> Tensor:
-        r = self._route(state, site).view(state.shape)
+        r = self._route(state, site).view(*state.shape[:-1], state.width)
         return state.p + self.gates[site].to(r.dtype) * r
 
     def _write(self, state: DepthState, site: int, out: Tensor) -> None:
@@ -626,6 +658,6 @@ class DeltaResidual(DepthRouting):
 
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
-        reads = 2 * cfg.n_layers + 1
-        return Cost(params=reads * (2 * cfg.d_model + 1) + cfg.d_model,
-                    flops=DepthRouting._read_flops(cfg, delta_groups(cfg)) + reads * 2 * cfg.d_model)
+        reads, d = 2 * cfg.n_layers + 1, cls._stored_width(cfg, specs)
+        return Cost(params=reads * (2 * d + 1) + d,
+                    flops=cls._read_flops(cfg, specs, delta_groups(cfg)) + sum(2 * w for w in cls._read_widths(specs)))

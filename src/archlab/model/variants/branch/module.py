@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
 from archlab.model.core.rows import PrimaryRows, last_of
+from archlab.model.core.spec import base_width
 from archlab.model.variants.branch.readout import readout_log_probs, readout_nll
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class BranchRows(PrimaryRows):
     # ---- building -------------------------------------------------------------------------------
     def attach_embeddings(self, model: "Transformer") -> None:
         # E2: one table per branch, stacked [n_branches * V, d]
-        model.branch_emb = nn.Embedding(self.n_branches * model.cfg.vocab_size, model.cfg.d_model)
+        model.branch_emb = nn.Embedding(self.n_branches * model.cfg.vocab_size, model.base_width)
 
     def attach_block(self, block: "Block", spec: "LayerSpec") -> None:
         if not self.coupled:
@@ -148,7 +149,7 @@ class BranchRows(PrimaryRows):
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
         r = cfg.branch.followers()
-        embed = r * cfg.vocab_size * cfg.d_model
+        embed = r * cfg.vocab_size * base_width(cfg)
         coupling = 0
         if cfg.branch.coupling:
             ffn = cfg.variant("ffn").load()

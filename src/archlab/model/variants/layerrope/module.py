@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from archlab.model.core.cost import Cost
 from archlab.model.core.layers import RMSNorm
+from archlab.model.core.spec import base_width
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -60,10 +61,10 @@ class LayerRopeNorms(nn.Module):
         super().__init__()
         o = cfg.layerrope
         self.opts = o
-        self.d = cfg.d_model
+        self.d = base_width(cfg)  # the widest site (d_model unless a width kind widens the embedding)
         self.n_layers = cfg.n_layers
         self.eps = cfg.norm_eps
-        self.g = nn.Parameter(torch.ones(cfg.d_model, dtype=torch.float32))
+        self.g = nn.Parameter(torch.ones(self.d, dtype=torch.float32))
         self.learnable = o.learnable
         self.n_sets = len(SITE_SETS) if o.per_site else 1
         if o.learnable:
@@ -127,7 +128,7 @@ class LayerRopeNorms(nn.Module):
         if name != "final":
             return Cost()
         o = cfg.layerrope
-        shared = cfg.d_model + (len(_SCALARS) * (len(SITE_SETS) if o.per_site else 1) if o.learnable else 0)
+        shared = base_width(cfg) + (len(_SCALARS) * (len(SITE_SETS) if o.per_site else 1) if o.learnable else 0)
         return Cost(params=shared + (width if o.final == "rmsnorm" else 0))
 
 

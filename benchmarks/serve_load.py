@@ -1,0 +1,117 @@
+"""Load on ``archlab serve``: N concurrent streaming clients against one client, on one GPU.
+
+    python benchmarks/serve_load.py --tokenizer DATA_DIR/tokenizer.json --preset 124m --clients 64
+
+Serves a randomly initialised preset model (bf16) with the prepared corpus's tokenizer through the
+real server (``archlab.infer.server``: FastAPI + uvicorn, the engine thread, continuous batching),
+then streams completions over HTTP (httpx, server-sent events) from 1 and from N concurrent
+clients. Reports completed streams (none may be lost), tokens received, aggregate tokens/s, and
+per-stream time to first token. Prints one JSON object per load level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from archlab.config import make_config  # noqa: E402
+from archlab.data.tokenizer import EOS_TOKEN, load_tokenizer  # noqa: E402
+from archlab.infer.engine import Engine  # noqa: E402
+from archlab.infer.server import EngineLoop, create_app  # noqa: E402
+from archlab.model import build_model  # noqa: E402
+
+
+async def one_stream(client, url: str, prompt: str, max_tokens: int, seed: int) -> dict:
+    t0 = time.perf_counter()
+    first, tokens, finish = None, 0, None
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None:
+                first = time.perf_counter() - t0
+            if chunk["choices"]:
+                finish = chunk["choices"][0]["finish_reason"] or finish
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft_s": first, "tokens": tokens, "finish": finish, "wall_s": time.perf_counter() - t0}
+
+
+async def load(url: str, clients: int, max_tokens: int) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, url, f"Once upon a time {i}", max_tokens, i)
+                                         for i in range(clients)), return_exceptions=True)
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if isinstance(r, dict) and r["finish"] in ("length", "stop")]
+    return {"clients": clients, "completed": len(ok), "lost": clients - len(ok),
+            "errors": [repr(r) for r in results if not isinstance(r, dict)][:3],
+            "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
+            "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in ok) if ok else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--preset", default="124m")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import uvicorn
+
+    tok = load_tokenizer(args.tokenizer)
+    cfg = make_config(args.preset, overrides=[f"model.vocab_size={tok.get_vocab_size()}"]).model
+    torch.manual_seed(0)
+    model = build_model(cfg).to("cuda", torch.bfloat16).eval()
+    engine = Engine(model, slots=args.clients)
+    t = time.perf_counter()
+    engine.warm_up(buckets=(16,))
+    print(json.dumps({"warm_up_s": time.perf_counter() - t}), flush=True)
+    loop = EngineLoop(engine).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "bench", tok.token_to_id(EOS_TOKEN)),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    rows = []
+    for clients in (1, args.clients):
+        r = asyncio.run(load(url, clients, args.max_tokens))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    print(f"aggregate: {rows[1]['tokens_per_s']:.0f} tokens/s with {args.clients} clients vs "
+          f"{rows[0]['tokens_per_s']:.0f} with one ({rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.1f}x); "
+          f"lost {rows[1]['lost']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    server.should_exit = True
+    loop.stop()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
