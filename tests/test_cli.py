@@ -217,3 +217,25 @@ def test_config_errors_do_not_import_torch(argv):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
     assert "config error" in proc.stderr
+
+
+def test_argtypes_for_generate_sampling(capsys):
+    # the types the generate command is to use (its module is not this one's): boundaries included
+    from archlab.argtypes import int_at_least, non_negative_float, positive_int, unit_float
+    from archlab.cli import _Parser
+
+    p = _Parser(prog="archlab generate")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=non_negative_float, default=0.8)
+    p.add_argument("--top-k", type=int_at_least(0, "0 = off"), default=50)
+    p.add_argument("--top-p", type=unit_float, default=0.95)
+    ok = p.parse_args(["--max-new-tokens", "1", "--temperature", "0", "--top-k", "0", "--top-p", "1"])
+    assert (ok.max_new_tokens, ok.temperature, ok.top_k, ok.top_p) == (1, 0.0, 0, 1.0)
+    for argv, allowed in [(["--max-new-tokens", "-5"], "at least 1"), (["--top-k", "-3"], "at least 0"),
+                          (["--top-p", "-0.5"], "in (0, 1]"), (["--top-p", "0"], "in (0, 1]"),
+                          (["--temperature", "-1"], "at least 0"), (["--temperature", "inf"], "at least 0")]:
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"argument {argv[0]}: must be" in err and allowed in err, err
