@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from archlab.data.prepare import temporary_path
 from archlab.errors import DiskFull
 from archlab.io import checkpoint as ckpt_io
+from archlab.io.temporaries import temporary_path
 from tests.conftest import SMALL
 from tests.helpers import run_cli
 
@@ -120,3 +120,14 @@ def test_full_disk_while_replacing_a_small_file_keeps_it(tmp_path, monkeypatch):
         ckpt_io.atomic_write_text(target, "step_0000004\n")
     assert target.read_text() == "step_0000002\n"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+def test_temporaries_are_named_as_prepared_data_names_them(tmp_path, dead_pid):
+    # Either cleanup reads the other's names: a dead prepare's build beside a checkpoint goes too.
+    from archlab.data.prepare import remove_stale_temporaries as prepare_cleanup
+    from archlab.data.prepare import temporary_path as prepare_temporary
+
+    theirs = _leftover(prepare_temporary(tmp_path / "data", "tmp", pid=dead_pid), {"x.bin": "x"})
+    assert ckpt_io.remove_stale_temporaries(tmp_path) == [theirs]
+    ours = _leftover(temporary_path(tmp_path / "step_0000001", "tmp", pid=dead_pid), {"x.bin": "x"})
+    assert prepare_cleanup(tmp_path / "data") == [ours]

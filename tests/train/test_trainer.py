@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from archlab.config import make_config
-from archlab.data.prepare import temporary_path
+from archlab.io.temporaries import temporary_path
 from archlab.errors import ArchlabError, CheckpointError, ConfigError, TrainingDiverged
 from archlab.train import trainer as trainer_mod
 from archlab.train.trainer import lr_at, train

@@ -15,7 +15,7 @@ file named in ``state.json`` so that truncation or corruption is reported, never
 and the report names the newest checkpoint of the run that is still intact.
 
 Temporaries are named like those of ``archlab data prepare`` (``.NAME.tmp-HOST-PID-XXXXXXXX``,
-``.NAME.old-HOST-PID-XXXXXXXX``): a process that is killed cannot remove its own, and on a full
+``.NAME.old-HOST-PID-XXXXXXXX``, see ``archlab.io.temporaries``): a process that is killed cannot remove its own, and on a full
 disk they would keep it full, so writing a checkpoint (and starting a run) first removes those
 of processes that are gone. A full disk is one ``DiskFull`` line naming the path that could not
 be written; the temporary is removed and the previous checkpoint stays where it was.
@@ -38,11 +38,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from archlab.config import RunConfig, config_from_dict
-# The same temporary names and the same test of "is its process gone" as prepared data, so that
-# either cleanup reads the other's temporaries the same way.
-from archlab.data.prepare import _TEMPORARY, _host, _process_exists, temporary_path
 from archlab.data.tokenizer import file_sha256
 from archlab.errors import ArchlabError, CheckpointError, DiskFull
+from archlab.io.temporaries import TEMPORARY, host, process_exists, temporary_path
 
 FORMAT_VERSION = 1
 STEP_GLOB = "step_*"
@@ -83,16 +81,16 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
         entries = list(folder.iterdir())
     except OSError:
         return removed
-    host = _host()
+    here = host()
     for path in entries:
-        m = _TEMPORARY.match(path.name)
-        if m is not None and m["host"] != host:
+        m = TEMPORARY.match(path.name)
+        if m is not None and m["host"] != here:
             continue  # another machine's, on a shared file system: its process cannot be checked
         m = m or _LEGACY.match(path.name)
         if m is None:
             continue
         try:
-            if path.is_symlink() or _process_exists(int(m["pid"])):
+            if path.is_symlink() or process_exists(int(m["pid"])):
                 continue
             if m["kind"] == "old":
                 final = folder / m["name"]
