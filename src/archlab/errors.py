@@ -26,6 +26,10 @@ class CheckpointError(ArchlabError):
     """A missing, truncated or corrupted checkpoint."""
 
 
+class DiskFull(ArchlabError):
+    """No space left on the device being written; what was there before is kept."""
+
+
 class TrainingDiverged(ArchlabError):
     """The loss became non-finite; the last good checkpoint is kept."""
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from archlab.config import make_config
-from archlab.errors import CheckpointError, ConfigError, TrainingDiverged
+from archlab.io.temporaries import temporary_path
+from archlab.errors import ArchlabError, CheckpointError, ConfigError, TrainingDiverged
 from archlab.train import trainer as trainer_mod
 from archlab.train.trainer import lr_at, train
 from tests.conftest import small_config
@@ -32,6 +35,53 @@ def test_resume_reproduces_uninterrupted_run_exactly(stdlib_data, tmp_path):
     assert second.steps == 8
     assert _losses(tmp_path / "full") == _losses(tmp_path / "split")
     assert [v["loss"] for v in full.val_curve] == [v["loss"] for v in second.val_curve]
+
+
+def test_a_torn_last_metrics_record_is_dropped_on_resume(stdlib_data, tmp_path, capsys):
+    cfg = small_config(stdlib_data, "train.steps=4", "train.ckpt_every=2", "train.eval_every=2", "train.log_every=1")
+    out = tmp_path / "run"
+    train(cfg, out, stop_after_steps=3, show_progress=False)  # checkpoint at 2, logged up to 3
+    log = out / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 3
+    log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # killed mid-write
+    # ... which also leaves the temporaries it was writing; starting again removes them
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = [temporary_path(out / "metrics.jsonl", "tmp", pid=int(dead.stdout)),
+             temporary_path(out / "ckpt" / "step_0000004", "tmp", pid=int(dead.stdout))]
+    stale[0].write_text("partial")
+    stale[1].mkdir()
+    capsys.readouterr()
+    res = train(cfg, out, show_progress=False)
+    err = capsys.readouterr().err
+    assert f"resuming from step 2 of {out}" in err
+    assert "dropped a torn last record" in err and str(log) in err
+    assert res.steps == 4
+    assert not any(p.exists() for p in stale)
+    # one clean curve: every record parses, the kept ones unchanged, step 3 recomputed exactly
+    recs = [json.loads(l) for l in log.read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in recs] == [("train", 1), ("train", 2), ("val", 2), ("train", 3),
+                                                      ("train", 4), ("val", 4)]
+    assert log.read_text().splitlines()[:3] == lines[:3]
+    assert recs[3]["loss"] == json.loads(lines[3])["loss"]
+    assert [v["step"] for v in res.val_curve] == [2, 4]
+
+
+def test_a_corrupt_metrics_line_before_the_last_is_one_error(tiny_run, stdlib_data, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out)
+    log = out / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    log.write_text("\n".join(lines) + "\n")
+    cfg = small_config(stdlib_data, "train.steps=6", "train.ckpt_every=3", "train.eval_every=3")
+    with pytest.raises(ArchlabError, match=f"{log} line 2 is not a metrics record") as e:
+        train(cfg, out, show_progress=False)
+    assert "\n" not in str(e.value)
+    assert log.read_text() == "\n".join(lines) + "\n"  # left as it was, for the user to repair
 
 
 def test_resume_with_a_different_config_is_refused(stdlib_data, tmp_path):

@@ -10,6 +10,8 @@ import argparse
 
 from rich.console import Console
 
+from archlab.argtypes import int_at_least, positive_int
+
 CONVERSIONS = ("delta-mhar",)
 
 
@@ -22,8 +24,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     c.add_argument("--to", required=True, choices=CONVERSIONS, help="target architecture")
     c.add_argument("--ckpt", required=True, help="input checkpoint (a run dir, its ckpt dir or a checkpoint dir)")
     c.add_argument("--out", required=True, help="output checkpoint directory")
-    c.add_argument("--heads", type=int, default=4, help="routing heads H (must divide d_model; default 4)")
-    c.add_argument("--groups", type=int, default=0,
+    c.add_argument("--heads", type=positive_int, default=4, help="routing heads H (must divide d_model; default 4)")
+    c.add_argument("--groups", type=int_at_least(0, "0 = one per transformer layer"), default=0,
                    help="delta groups over the 2L sublayers (default 0 = one per transformer layer)")
     c.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     c.set_defaults(func=run_convert)
@@ -41,9 +43,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="prepared data directory (its validation split); default: a stdlib text "
                         "encoded with the checkpoint's tokenizer")
     r.add_argument("--out", default=None, help="output directory (default: CKPT/probe_routing)")
-    r.add_argument("--batches", type=int, default=4, help="batches to run (default 4)")
-    r.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
-    r.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    r.add_argument("--batches", type=positive_int, default=4, help="batches to run (default 4)")
+    r.add_argument("--batch-size", type=positive_int, default=4, help="sequences per batch (default 4)")
+    r.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence (default 128)")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     r.set_defaults(func=run_probe_routing)
 

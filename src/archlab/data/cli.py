@@ -25,10 +25,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from archlab.argtypes import int_at_least, non_negative_float, non_negative_int, open_unit_float, positive_int
 from archlab.data.decoding import DEFAULT_ENCODING, replacement_warning, text_encoding
 from archlab.data.prepare import DEFAULT_SHARD_TOKENS, MANIFEST_FILE, SPLITS, check_destination, prepare
 from archlab.data.recipes import CACHE_ENV, default_cache_dir, get_recipe, open_recipe, recipe_rows
 from archlab.data.sources import FORMATS, STDLIB_DEFAULT_MAX_BYTES
+from archlab.data.tokenizer import MIN_VOCAB_SIZE
 from archlab.errors import DataError
 
 DEFAULT_OUT = "data/stdlib"
@@ -62,15 +64,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="split of a saved DatasetDict or a hub dataset (default: train)")
     p.add_argument("--out", default=None,
                    help=f"output directory (default: {DEFAULT_OUT}, or data/NAME for --recipe NAME)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
-    p.add_argument("--val-frac", type=float, default=0.02,
+    p.add_argument("--vocab-size", type=int_at_least(MIN_VOCAB_SIZE, "256 bytes + <|endoftext|>"), default=4096,
+                   help=f"BPE vocabulary size, at least {MIN_VOCAB_SIZE} (default: 4096)")
+    p.add_argument("--val-frac", type=open_unit_float, default=0.02,
                    help="fraction of documents held out for validation (default: 0.02)")
-    p.add_argument("--max-mb", type=float, default=None,
+    p.add_argument("--max-mb", type=non_negative_float, default=None,
                    help=f"use only the first MB (10^6 bytes) of text; default "
                         f"{STDLIB_DEFAULT_MAX_BYTES // 10**6} for stdlib, everything otherwise; 0 = no "
                         "limit (a recipe keeps a deterministic sample of whole documents instead)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default: 0)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the train/val split (default: 0)")
+    p.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS,
                    help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS:,})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
     p.add_argument("--cache", default=None, metavar="DIR",

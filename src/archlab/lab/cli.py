@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from archlab.argtypes import positive_int
 from archlab.errors import ConfigError
 from archlab.lab.suite import builtin_suites
 
@@ -44,7 +45,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="override a key of every run's config, e.g. --set train.device=cpu (repeatable)")
     c.add_argument("--variants", metavar="A,B",
                    help="train only these variants now (and the baseline); the report covers the suite")
-    c.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+    c.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                    help="train N runs at once, each in its own process (small models leave a GPU "
                         "mostly idle; default: 1)")
     c.add_argument("--no-resume", action="store_true",
@@ -57,16 +58,6 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                               description="Build the report of a suite from its results database.")
     r.add_argument("dir", type=Path, help="suite directory (holds results.sqlite)")
     r.set_defaults(func=run_report)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _start_over(out: Path, force: bool, console: Console) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from archlab.config import RunConfig, dump_yaml
-from archlab.errors import CheckpointError, TrainingDiverged
+from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.model import build_model
 from archlab.model.accounting import mfu_flops_per_token, param_counts
 from archlab.io import checkpoint as ckpt_io
@@ -200,16 +202,59 @@ class Run:
         return True
 
 
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)  # sys.stderr looked up now: a live rich display redirects it
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """One line of metrics.jsonl as a record, or None when it is not one."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(rec, dict) and isinstance(rec.get("kind"), str) and isinstance(rec.get("step"), int)
+    return rec if ok else None
+
+
+def read_metrics(path: Path) -> tuple[list[tuple[dict[str, Any], str]], str | None]:
+    """The records of a metrics.jsonl, each with its line, and its torn last line (or None).
+
+    A kill while a record is written leaves a partial last line: a record that was never
+    finished, dropped here (a reader of a live run may also just catch a line half-written).
+    A bad line anywhere else was damaged afterwards and is an error naming the file and line.
+    """
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")  # a torn write may end in garbage
+    except FileNotFoundError:
+        return [], None
+    lines = [(no, line) for no, line in enumerate(text.splitlines(), 1) if line.strip()]
+    records = []
+    for i, (no, line) in enumerate(lines):
+        rec = _record(line)
+        if rec is None:
+            if i == len(lines) - 1:
+                return records, line
+            raise ArchlabError(f"{path} line {no} is not a metrics record ({line[:40]!r}); the log was "
+                               "damaged after it was written: repair or delete that line and run again")
+        records.append((rec, line))
+    return records, None
+
+
 class MetricsLog:
     """metrics.jsonl (truncated to the resumed step, so a resumed run has one clean curve) plus
     TensorBoard events when tensorboard is installed."""
 
-    def __init__(self, out: Path, resume_step: int):
+    def __init__(self, out: Path, resume_step: int, notify: Callable[[str], None] = _to_stderr):
         self.path = out / "metrics.jsonl"
         if self.path.exists():
-            keep = [l for l in self.path.read_text().splitlines()
-                    if l.strip() and json.loads(l).get("step", 0) <= resume_step]
-            ckpt_io.atomic_write_text(self.path, "".join(l + "\n" for l in keep))
+            keep: list[str] = []
+            if resume_step:  # a fresh start keeps nothing, so there is nothing to read
+                records, torn = read_metrics(self.path)
+                if torn is not None:
+                    notify(f"dropped a torn last record of {self.path} (the run was stopped while "
+                           f"writing it): {torn[:40]!r}")
+                keep = [line for rec, line in records if rec["step"] <= resume_step]
+            ckpt_io.atomic_write_text(self.path, "".join(line + "\n" for line in keep))
         self.f = open(self.path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -218,36 +263,40 @@ class MetricsLog:
             self.tb = None
 
     def write(self, rec: dict[str, Any]) -> None:
-        self.f.write(json.dumps(rec) + "\n")
-        self.f.flush()
+        with ckpt_io.full_disk_is_an_error(self.path, "the run's checkpoints are kept"):
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
         if self.tb is not None:
             for k, v in rec.items():
                 if k not in ("step", "kind", "tokens") and isinstance(v, (int, float)) and v is not None:
                     self.tb.add_scalar(f"{rec['kind']}/{k}", v, rec["step"])
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError:
+            pass  # only a full disk's unflushed tail: the error that stopped the run is the one to show
         if self.tb is not None:
             self.tb.close()
 
 
 def read_curves(out: Path) -> tuple[list[dict], list[dict]]:
+    """The train and val records of a run's metrics.jsonl (a torn last line left out)."""
     train, val = [], []
-    path = Path(out) / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                (val if rec["kind"] == "val" else train).append(rec)
+    records, _ = read_metrics(Path(out) / "metrics.jsonl")
+    for rec, _line in records:
+        (val if rec["kind"] == "val" else train).append(rec)
     return train, val
 
 
 def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=None,
-          stop_after_steps: int | None = None, show_progress: bool = True) -> TrainResult:
+          stop_after_steps: int | None = None, show_progress: bool = True,
+          notify: Callable[[str], None] = _to_stderr) -> TrainResult:
     """Train ``cfg`` into ``out_dir``; continue from its latest checkpoint when ``resume``.
 
     ``progress``: a rich ``Progress`` to add this run's task to (the lab shows many runs in one);
-    ``stop_after_steps``: leave after that many steps of this call (as if interrupted).
+    ``stop_after_steps``: leave after that many steps of this call (as if interrupted);
+    ``notify``: where one-line notices go (resuming, a torn log record dropped); stderr by default.
     """
     out = Path(out_dir)
     tc = cfg.train
@@ -255,10 +304,15 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
     resumed = run.try_resume() if resume else False
     if not resumed and (out / "ckpt" / "latest").exists():
         raise CheckpointError(f"{out} already holds a checkpoint; resume it or choose another --out")
+    # Temporaries of killed runs in this directory: on a full disk they would fail every retry.
+    for folder in (out, out / "ckpt"):
+        ckpt_io.remove_stale_temporaries(folder)
+    if resumed:
+        notify(f"resuming from step {run.step} of {out}")
     out.mkdir(parents=True, exist_ok=True)
     if not resumed:
         ckpt_io.atomic_write_text(out / "config.yaml", dump_yaml(cfg))
-    log = MetricsLog(out, run.step)
+    log = MetricsLog(out, run.step, notify)
     peak = peak_flops(run.device)
     flops_tok = mfu_flops_per_token(cfg.model, tc.seq_len)
     params = param_counts(cfg.model)["params_total"]

@@ -1,0 +1,133 @@
+"""Checkpoint writing: leftovers of killed processes are removed, a full disk is one line and
+leaves the previous checkpoint as it was."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+
+from archlab.errors import DiskFull
+from archlab.io import checkpoint as ckpt_io
+from archlab.io.temporaries import temporary_path
+from tests.conftest import SMALL
+from tests.helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    """The id of a process that has exited (and, being this quick, not been reused)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(proc.stdout)
+
+
+def _write(target: Path, value: float) -> Path:
+    return ckpt_io.write_checkpoint(target, {"model": {"w": torch.full((4,), value)}}, {"step": 1})
+
+
+def _leftover(path: Path, files: dict[str, str] | None = None) -> Path:
+    """A directory (with ``files``) or, given none, a file standing in for a killed writer's temporary."""
+    if files is None:
+        path.write_text("partial")
+    else:
+        path.mkdir()
+        for name, text in files.items():
+            (path / name).write_text(text)
+    return path
+
+
+def test_writing_a_checkpoint_removes_temporaries_of_dead_processes_only(tmp_path, dead_pid):
+    root = tmp_path / "ckpt"
+    _write(root / "step_0000001", 1.0)
+    (root / "latest").write_text("step_0000001\n")
+    stale = [
+        _leftover(temporary_path(root / "step_0000002", "tmp", pid=dead_pid), {"model.safetensors": "x"}),
+        _leftover(temporary_path(root / "latest", "tmp", pid=dead_pid)),
+        # the names written before temporaries carried the host
+        _leftover(root / f".step_0000002.tmp{dead_pid}", {"model.safetensors": "x"}),
+        _leftover(root / f".latest.tmp{dead_pid}"),
+        # a parked copy of a checkpoint that was replaced completely
+        _leftover(temporary_path(root / "step_0000001", "old", pid=dead_pid), {"state.json": "{}"}),
+    ]
+    alive = [
+        _leftover(temporary_path(root / "step_0000003", "tmp"), {"model.safetensors": "x"}),  # this process
+        _leftover(root / f".step_0000003.tmp-otherhost-{dead_pid}-0123abcd", {"a": "x"}),  # another machine's
+        _leftover(root / ".notes.tmp12", {"a": "x"}),  # not a name checkpoints use
+    ]
+    _write(root / "step_0000002", 2.0)
+    left = sorted(p.name for p in root.iterdir())
+    assert [p.name for p in stale if p.name in left] == []
+    assert [p.name for p in alive if p.name not in left] == []
+    assert ckpt_io.load_tensors(root / "step_0000002", "model")["w"].tolist() == [2.0] * 4
+
+
+def test_a_copy_parked_by_a_killed_replacement_is_put_back(tmp_path, dead_pid):
+    root = tmp_path / "ckpt"
+    _write(root / "step_0000001", 1.0)
+    # killed between "move the old copy aside" and "move the new one in": the name is empty
+    parked = temporary_path(root / "step_0000001", "old", pid=dead_pid)
+    (root / "step_0000001").rename(parked)
+    assert ckpt_io.remove_stale_temporaries(root) == []
+    assert not parked.exists()
+    assert ckpt_io.read_state(root / "step_0000001")["step"] == 1
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    # what safetensors itself raises on a full disk
+    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+])
+def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(failure, stdlib_data, tmp_path,
+                                                                           monkeypatch, capsys):
+    real_save = ckpt_io.save_file
+
+    def save_file(tensors, path):
+        if "step_0000004" in path:
+            Path(path).write_bytes(b"partial")
+            raise failure
+        real_save(tensors, path)
+
+    monkeypatch.setattr(ckpt_io, "save_file", save_file)
+    run = tmp_path / "run"
+    sets = [*SMALL, f"data.path={stdlib_data}", "train.steps=4", "train.ckpt_every=2", "train.eval_every=2"]
+    code, _, err = run_cli(capsys, "train", "--out", str(run), *sum((["--set", s] for s in sets), []))
+    assert code == 1, err
+    [line] = err.strip().splitlines()
+    root = run / "ckpt"
+    assert "no space left on device" in line and "step_0000004" in line and "model.safetensors" in line
+    assert f"the last checkpoint, {root / 'step_0000002'}, is kept" in line
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000002"]  # no temporary left
+    assert (root / "latest").read_text().strip() == "step_0000002"
+    model, _, ck = ckpt_io.load_model(run)
+    assert ck == root / "step_0000002"
+
+
+def test_full_disk_while_replacing_a_small_file_keeps_it(tmp_path, monkeypatch):
+    target = tmp_path / "latest"
+    target.write_text("step_0000002\n")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_io.os, "fsync", full)
+    with pytest.raises(DiskFull, match=f"{target} is unchanged"):
+        ckpt_io.atomic_write_text(target, "step_0000004\n")
+    assert target.read_text() == "step_0000002\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+def test_temporaries_are_named_as_prepared_data_names_them(tmp_path, dead_pid):
+    # Either cleanup reads the other's names: a dead prepare's build beside a checkpoint goes too.
+    from archlab.data.prepare import remove_stale_temporaries as prepare_cleanup
+    from archlab.data.prepare import temporary_path as prepare_temporary
+
+    theirs = _leftover(prepare_temporary(tmp_path / "data", "tmp", pid=dead_pid), {"x.bin": "x"})
+    assert ckpt_io.remove_stale_temporaries(tmp_path) == [theirs]
+    ours = _leftover(temporary_path(tmp_path / "step_0000001", "tmp", pid=dead_pid), {"x.bin": "x"})
+    assert prepare_cleanup(tmp_path / "data") == [ours]
