@@ -169,6 +169,14 @@ _BAD_ARGUMENTS = [
     (["probe", "routing", "--ckpt", "run", "--out", "p", "--batch-size", "0"], "--batch-size"),
     (["probe", "routing", "--ckpt", "run", "--out", "p", "--seq-len", "0"], "--seq-len"),
     (["train", "--out", "run", "--set", "train.threads=-1"], "train.threads"),
+    (["generate", "--ckpt", "run", "--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["generate", "--ckpt", "run", "--prompt", "x", "--top-k", "-3"], "--top-k"),
+    (["generate", "--ckpt", "run", "--prompt", "x", "--top-p", "-0.5"], "--top-p"),
+    (["generate", "--ckpt", "run", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+    (["serve", "--ckpt", "run", "--port", "70000"], "--port"),
+    (["serve", "--ckpt", "run", "--slots", "0"], "--slots"),
+    (["bench", "decode", "--steps", "0"], "--steps"),
+    (["bench", "decode", "--batches", "1,0"], "--batches"),
 ]
 
 
@@ -182,7 +190,8 @@ def test_numeric_arguments_out_of_range_are_one_line(argv, name, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
-OWNED = ["train", "eval", "import-hf", "info", "config", "data", "compare", "report", "convert", "probe"]
+OWNED = ["train", "eval", "import-hf", "info", "config", "data", "compare", "report", "convert", "probe", "generate",
+         "serve", "bench"]
 
 
 def _parsers(parser: argparse.ArgumentParser, names=None):

@@ -6,12 +6,8 @@ import argparse
 import json
 import sys
 
+from archlab.argtypes import int_at_least, non_negative_float, non_negative_int, positive_int, unit_float
 from archlab.errors import UsageError
-
-
-def _check_range(name: str, value: float, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise UsageError(f"{name} must be {allowed}, got {value}")
 
 
 def cmd_generate(args) -> int:
@@ -21,10 +17,6 @@ def cmd_generate(args) -> int:
     from archlab.infer.loading import load_for_inference
     from archlab.infer.sampling import SamplingParams
 
-    _check_range("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1")
-    _check_range("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0 = greedy)")
-    _check_range("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = off)")
-    _check_range("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1] (1 = off)")
     model, tok, eos, _ = load_for_inference(args.ckpt, args.device, args.dtype)
     ctx = model.cfg.max_seq_len
     if args.max_new_tokens >= ctx:
@@ -58,8 +50,6 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from archlab.infer.server import serve
 
-    _check_range("--port", args.port, 0 < args.port < 65536, "in 1..65535")
-    _check_range("--slots", args.slots, args.slots >= 1, ">= 1")
     print(f"archlab: serving {args.ckpt} on http://{args.host}:{args.port}/v1 ({args.slots} slots)", file=sys.stderr)
     serve(args.ckpt, host=args.host, port=args.port, slots=args.slots, device=args.device, dtype=args.dtype,
           model_name=args.model_name, warm_up=not args.no_warm_up)
@@ -73,9 +63,7 @@ def cmd_bench(args) -> int:
 
     from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth
 
-    for name in ("prompt", "context", "steps"):
-        _check_range(f"--{name}", getattr(args, name), getattr(args, name) >= 1, ">= 1")
-    batches = _int_list("--batches", args.batches)
+    batches = args.batches
     if args.ckpt:
         from archlab.infer.loading import load_for_inference
 
@@ -124,13 +112,21 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _int_list(name: str, text: str) -> list[int]:
+def port_number(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """``1,8`` -> [1, 8]: comma-separated whole numbers, each at least 1."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{name} must be comma-separated integers, got {text!r}") from None
+        values = []
     if not values or min(values) < 1:
-        raise UsageError(f"{name} must be comma-separated integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, each at least 1, got {text!r}")
     return values
 
 
@@ -145,23 +141,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "token on stderr)")
     g.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
     g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch, one row each")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    g.add_argument("--temperature", type=float, default=0.8,
+    g.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=non_negative_float, default=0.8,
                    help="sampling temperature; 0 = greedy (the most likely token), default 0.8")
-    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = off; default 50)")
-    g.add_argument("--top-p", type=float, default=0.95,
+    g.add_argument("--top-k", type=int_at_least(0, "0 = off"), default=50, help="sample among the k most likely tokens (0 = off; default 50)")
+    g.add_argument("--top-p", type=unit_float, default=0.95,
                    help="sample among the most likely tokens whose probability reaches p (1 = off; default 0.95)")
     g.add_argument("--stop", action="append", default=[],
                    help="stop a row after this text's first token (repeatable); end-of-text always stops")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (the same seed gives the same text)")
     _inference_args(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/models")
     s.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    s.add_argument("--slots", type=int, default=16,
+    s.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--slots", type=positive_int, default=16,
                    help="sequences decoded together (KV-cache rows); more requests queue (default 16)")
     s.add_argument("--model-name", help="the model id clients ask for (default: the run directory's name)")
     s.add_argument("--no-warm-up", action="store_true",
@@ -176,10 +172,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML config(s) over the preset")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override one config key of the preset (repeatable)")
-    b.add_argument("--prompt", type=int, default=2048, help="prefill prompt length in tokens (default 2048)")
-    b.add_argument("--context", type=int, default=1024, help="tokens in the cache while decoding (default 1024)")
-    b.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated (default 1,8)")
-    b.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size (default 100)")
+    b.add_argument("--prompt", type=positive_int, default=2048, help="prefill prompt length in tokens (default 2048)")
+    b.add_argument("--context", type=positive_int, default=1024, help="tokens in the cache while decoding (default 1024)")
+    b.add_argument("--batches", type=positive_int_list, default=[1, 8], help="decode batch sizes, comma-separated (default 1,8)")
+    b.add_argument("--steps", type=positive_int, default=100, help="timed decode steps per batch size (default 100)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     _inference_args(b)
     b.set_defaults(func=cmd_bench)
