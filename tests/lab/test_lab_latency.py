@@ -22,8 +22,7 @@ from archlab.lab.report import LATENCY_FIGURE, collect, costs_table, write_repor
 from archlab.lab.runner import RUNS_DIR, _job, plan_table, run_suite
 from archlab.lab.store import DB_NAME, LATENCY_KEY, SCHEMA_VERSION, LatencyRow, ResultStore
 from archlab.lab.suite import load_suite
-from tests.lab.lab_fakes import (MEASURE_COSTS, SUITE_YAML, FakeMeasure, FakeTrainer, fake_costs,
-                                 fake_latency_ms, write_suite)
+from tests.lab.lab_fakes import MEASURE_COSTS, SUITE_YAML, FakeMeasure, FakeTrainer, fake_costs, write_suite
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SUITE = SUITE_YAML + MEASURE_COSTS
@@ -93,7 +92,8 @@ def test_shapes_fit_the_model(tmp_path: Path) -> None:
     for ctx, steps, msl in [(1024, 100, 1024), (5, 500, 300), (1, 1, 18), (2000, 1, 2048)]:
         c, s = fit_decode(ctx, steps, msl)
         assert 1 <= c <= ctx and 1 <= s <= steps and c + s + DECODE_MARGIN <= msl
-    spec = load_suite(write_suite(tmp_path, SUITE_YAML + "costs: {prompt: 2048, context: 1024, batches: [1, 8]}\n")).costs
+    text = SUITE_YAML + "costs: {prompt: 2048, context: 1024, batches: [1, 8]}\n"
+    spec = load_suite(write_suite(tmp_path, text)).costs
     shapes = shapes_for(spec, 1024, 1024)
     assert [(s.phase, s.batch, s.requested, s.length, s.steps) for s in shapes] == [
         ("prefill", 1, 2048, 1024, latency.PREFILL_REPS), ("decode", 1, 1024, 976, 32), ("decode", 8, 1024, 976, 32)]

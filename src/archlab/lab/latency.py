@@ -142,6 +142,8 @@ def measure_run(run_dir: Path, cfg: RunConfig, shapes: list[Shape], *, device: s
 
     dev = torch.device(device)
     if dev.type == "cuda":
+        import torch._dynamo
+
         # Fresh compile caches for each variant: dynamo caches every engine's graphs under the same
         # functions, and past its cache limit a function would silently run eager.
         torch._dynamo.reset()

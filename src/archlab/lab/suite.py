@@ -175,7 +175,8 @@ class Suite:
                       "data": "init" if self.seeds.data is None else self.seeds.data},
             "baseline": self.baseline, "variants": self.variants,
             "eval": dict(vars(self.eval), tasks=list(self.eval.tasks)),
-            "costs": dict(vars(self.costs), batches=list(self.costs.batches)), "estimate": {"tokens_per_s": self.tokens_per_s},
+            "costs": dict(vars(self.costs), batches=list(self.costs.batches)),
+            "estimate": {"tokens_per_s": self.tokens_per_s},
         }
 
 
