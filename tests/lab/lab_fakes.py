@@ -207,3 +207,37 @@ def write_tasks(dir_: Path) -> Path:
 
 
 DOWNSTREAM_EVAL = "eval: {last_k: 2, tasks: [piqa, lambada], task_dir: tasks, limit: 5}\n"
+
+
+def fake_latency_ms(cfg: RunConfig, phase: str, batch: int, length: int) -> float:
+    """A run's latency at a shape: longer shapes and bigger batches cost more; a lower init_std
+    (the ``lower-init`` variant) costs 10% more, so its ratio to the baseline is known."""
+    base = 0.01 * length if phase == "prefill" else 0.5 + 0.05 * batch + 0.001 * length
+    return base * (1.1 if cfg.model.init_std < 0.02 else 1.0)
+
+
+class FakeMeasure:
+    """Callable with ``archlab.lab.latency.measure_run``'s signature; records (run directory name,
+    shape keys, device) per call. A run without a checkpoint is a ``CheckpointError``, as with the
+    real one. ``fail_on=k``: the k-th call raises ``KeyboardInterrupt`` (a pass killed half-way)."""
+
+    def __init__(self, fail_on: int | None = None, device: str = "fake-gpu") -> None:
+        self.fail_on, self.device = fail_on, device
+        self.calls: list[tuple[str, list[tuple[str, int, int]], str]] = []
+
+    def __call__(self, run_dir: Path, cfg: RunConfig, shapes: list[Any], *, device: str) -> Any:
+        from archlab.lab.latency import Measured, Timing
+
+        self.calls.append((Path(run_dir).name, [s.key for s in shapes], device))
+        if self.fail_on == len(self.calls):
+            raise KeyboardInterrupt
+        if not (Path(run_dir) / "ckpt" / "latest").is_file():
+            raise CheckpointError(f"{str(run_dir)!r} holds no checkpoint (no state.json or ckpt/latest)")
+        timings = [Timing(s, fake_latency_ms(cfg, s.phase, s.batch, s.length),
+                          mfu=0.5 if s.phase == "prefill" else None,
+                          roofline_ms=None if s.phase == "prefill" else 0.1) for s in shapes]
+        return Measured(device=self.device, dtype="bfloat16", timer="cuda-events", bandwidth=4e12, timings=timings)
+
+
+# Short latency settings for the fake suite (measured on any device: ``always``).
+MEASURE_COSTS = "costs: {measure: always, prompt: 32, context: 16, steps: 3, batches: [1, 8]}\n"

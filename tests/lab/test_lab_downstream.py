@@ -206,12 +206,13 @@ def test_downstream_rows_are_immutable_and_of_finished_runs_only(tmp_path: Path)
 
 def _downgrade_to_v1(db: Path) -> None:
     """Turn a database into what archlab wrote before schema v2: no downstream table (nor v3's
-    claims and runs_at_once), and a plan whose suite has no downstream keys."""
+    claims and runs_at_once, nor v4's latency), and a plan whose suite has no downstream keys."""
     import json
 
     raw = sqlite3.connect(db, isolation_level=None)
     raw.execute("DROP TABLE downstream")  # its triggers go with it
     raw.execute("DROP TABLE claims")
+    raw.execute("DROP TABLE latency")
     raw.execute("ALTER TABLE runs DROP COLUMN runs_at_once")
     plan = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
     for key in ("tasks", "task_dir", "limit"):

@@ -7,6 +7,7 @@ Layers, each usable on its own:
 * ``runner`` - train what is missing, resume what was interrupted, record results
 * ``store``  - the SQLite results database (one row per run, and the claims of runs in progress)
 * ``claims`` - which process trains a run and whether it still exists; workers die with their parent
+* ``latency`` - measured prefill/decode latency of each variant on the inference engine, after training
 * ``stats``  - noise floor, Welch's t, confidence intervals, Bonferroni verdicts
 * ``report`` - report.md / report.html / console table, from the database alone
 * ``cli``    - the ``compare`` and ``report`` commands

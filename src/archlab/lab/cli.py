@@ -20,6 +20,7 @@ from archlab.lab.suite import builtin_suites
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from archlab.lab.latency import MeasureFn
     from archlab.lab.plan import CostsFn
     from archlab.lab.runner import PrepareFn, TrainFn
 
@@ -83,9 +84,9 @@ def _start_over(out: Path, force: bool, console: Console) -> None:
 
 def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
                 costs_fn: CostsFn | None = None, prepare_fn: PrepareFn | None = None,
-                console: Console | None = None) -> int:
-    """The ``compare`` command; the keyword arguments replace the trainer, the cost model and
-    data preparation (tests use them)."""
+                console: Console | None = None, measure_fn: MeasureFn | None = None) -> int:
+    """The ``compare`` command; the keyword arguments replace the trainer, the cost model, data
+    preparation and the latency measurement (tests use them)."""
     from rich.console import Console
 
     from archlab.lab.fmt import plural
@@ -121,12 +122,13 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
             _start_over(plan.out_dir, args.force, console)
         with ResultStore(plan.out_dir / DB_NAME) as store:
             outcome = run_suite(plan, store, runs, train_fn=train_fn, prepare_fn=prepare_fn, console=console,
-                                jobs=getattr(args, "jobs", 1))
+                                jobs=getattr(args, "jobs", 1), measure_fn=measure_fn)
         md, html = write_report(plan.out_dir)
     print_report(plan.out_dir, console)
     busy = len(outcome.busy)
     console.print(f"{plural(outcome.finished, 'run')} trained, {outcome.skipped} already done"
                   + (f", {outcome.diverged} diverged" if outcome.diverged else "")
+                  + (f", latency of {plural(outcome.measured, 'variant')} measured" if outcome.measured else "")
                   + (f", {busy} left to the other {'process' if busy == 1 else 'processes'} "
                      f"training {'it' if busy == 1 else 'them'}" if busy else "")
                   + f"; report: {md} and {html}", highlight=False)

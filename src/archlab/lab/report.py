@@ -33,7 +33,8 @@ from rich.table import Table
 from archlab.errors import ArchlabError
 from archlab.lab.fmt import plural, si
 from archlab.lab.stats import Comparison, compare, noise_floor
-from archlab.lab.store import DB_NAME, DownstreamRow, ResultStore, RunRow, display_status
+from archlab.lab.latency import fmt_ms
+from archlab.lab.store import DB_NAME, DownstreamRow, LatencyRow, ResultStore, RunRow, display_status
 
 FIGURES = (  # (file, caption); the file stem is the figure's short name
     ("loss_curves.png", "Validation loss against training tokens (training FLOPs under iso-FLOP "
@@ -44,6 +45,11 @@ FIGURES = (  # (file, caption); the file stem is the figure's short name
     ("tradeoff.png", "Final validation loss (mean and seed standard deviation) against prefill FLOPs "
                      "per token and against bytes read per decode step."),
 )
+# Added after FIGURES when the suite has measured latency (costs.measure).
+LATENCY_FIGURE = ("tradeoff_measured.png",
+                  "Final validation loss (mean and seed standard deviation) against decode cost, computed "
+                  "(bytes read per decode step) and measured (ms per decode step at batch 1 on the "
+                  "inference engine), and against measured prefill latency.")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class LabelSummary:
     comparison: Comparison | None
     downstream: dict[str, list[DownstreamRow]] = field(default_factory=dict)  # task -> one per seed
     interrupted: int = 0  # started, not finished, and the process training it is gone
+    latency: dict[tuple[str, int], LatencyRow] = field(default_factory=dict)  # (phase, batch) -> row
 
     @property
     def losses(self) -> list[float]:
@@ -130,6 +137,17 @@ class ReportData:
         return self.plan["suite"]
 
     @property
+    def measure(self) -> dict[str, Any]:
+        """The suite's latency settings (a plan stored before they existed: their defaults)."""
+        c = self.suite.get("costs") or {}
+        return {"measure": c.get("measure", "auto"), "prompt": c.get("prompt", 2048),
+                "batches": list(c.get("batches", [1, 8])), "steps": c.get("steps", 100)}
+
+    @property
+    def measured(self) -> bool:
+        return any(s.latency for s in self.summaries)
+
+    @property
     def baseline(self) -> LabelSummary:
         return self.summaries[0]
 
@@ -154,6 +172,23 @@ def collect(store: ResultStore) -> ReportData:
     for d in store.downstream():
         if d.task in tasks and d.limit == limit:
             evals.setdefault(d.run_id, {})[d.task] = d
+    # Measured latency at the suite's current shapes (prompt, batches, context).
+    costs = suite.get("costs") or {}
+    prompt, batches = costs.get("prompt", 2048), list(costs.get("batches", [1, 8]))
+    timed: dict[str, dict[tuple[str, int, int], LatencyRow]] = {}
+    for t in store.latency():
+        timed.setdefault(t.run_id, {}).setdefault(t.shape, t)
+
+    def latency(mine: list[dict[str, Any]], done: list[RunRow]) -> dict[tuple[str, int], LatencyRow]:
+        """Per shape, the first finished run (plan order) that has it: one run per label."""
+        wanted = [("prefill", 1, prompt)] + [("decode", b, mine[0]["cost_context"]) for b in batches]
+        out: dict[tuple[str, int], LatencyRow] = {}
+        for key in wanted:
+            for r in done:
+                if key in timed.get(r.run_id, {}):
+                    out[(key[0], key[1])] = timed[r.run_id][key]
+                    break
+        return out
 
     def summary(label: str, base_losses: list[float] | None) -> LabelSummary:
         mine = [p for p in planned if p["label"] == label]
@@ -169,7 +204,8 @@ def collect(store: ResultStore) -> ReportData:
                             interrupted=sum(display_status(r, live) == "interrupted" for r in got),
                             costs=mine[0]["costs"], comparison=comp,
                             downstream={t: [evals[r.run_id][t] for r in done if t in evals.get(r.run_id, {})]
-                                        for t in tasks})
+                                        for t in tasks},
+                            latency=latency(mine, done))
 
     labels = plan["labels"]
     base = summary(labels[0], None)
@@ -250,11 +286,45 @@ def downstream_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+def _latency_shapes(data: ReportData) -> list[tuple[str, int]]:
+    return [("prefill", 1)] + [("decode", b) for b in data.measure["batches"]]
+
+
+def latency_ratio(data: ReportData, row: LatencyRow) -> tuple[float | None, bool]:
+    """(``row``'s ms over the baseline's at the same shape, whether the two come from different
+    measuring sessions); no ratio without a baseline figure on the same device, dtype and timer."""
+    base = data.baseline.latency.get((row.phase, row.batch))
+    if base is None or (base.device, base.dtype, base.timer) != (row.device, row.dtype, row.timer):
+        return None, False
+    return row.ms / base.ms, base.session != row.session
+
+
+def _latency_cell(data: ReportData, s: LabelSummary, shape: tuple[str, int]) -> str:
+    """ms, the ratio to the baseline for a variant (‡: measured in another session), and the
+    length measured at when the model had no room for the suite's."""
+    row = s.latency.get(shape)
+    if row is None:
+        return "-"
+    cell = fmt_ms(row.ms)
+    if s.role != "baseline":
+        ratio, other = latency_ratio(data, row)
+        cell += f" ({ratio:.2f}×{'‡' if other else ''})" if ratio is not None else " (other device)"
+    if row.length != row.requested:
+        cell += f" [{'prompt' if row.phase == 'prefill' else 'ctx'} {row.length}]"
+    return cell
+
+
 def costs_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """The computed costs and training throughput; with measured latency, a column per measured
+    shape: ms (the variant's ratio to the baseline in brackets)."""
     ctx = data.plan["runs"][0]["cost_context"]
     header = ["variant", "params total", "params active", "train FLOPs/tok", "prefill FLOPs/tok",
               "decode FLOPs/tok", "KV bytes/tok", f"decode bytes/step (ctx {ctx})",
               "train tokens/s (see note)", "runs at once", "tokens/run"]
+    shapes = _latency_shapes(data) if data.measured else []
+    for phase, batch in shapes:
+        header.append(f"prefill ms (prompt {data.measure['prompt']})" if phase == "prefill"
+                      else f"decode ms/token b{batch} (ctx {ctx})")
     out = []
     for s in data.summaries:
         c = s.costs
@@ -263,8 +333,63 @@ def costs_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
                     si(c["train_flops_per_token"]), si(c["prefill_flops_per_token"]),
                     si(c["decode_flops_per_token"]), si(c["kv_bytes_per_token"], "B"),
                     si(c["decode_bytes_per_step"], "B"), si(s.tokens_per_s), s.runs_at_once,
-                    ", ".join(si(t) for t in sorted(tokens))])
+                    ", ".join(si(t) for t in sorted(tokens))]
+                   + [_latency_cell(data, s, shape) for shape in shapes])
     return header, out
+
+
+def latency_device_text(row: LatencyRow) -> str:
+    """Where and how a latency was timed: ``NVIDIA H200, bfloat16, CUDA events`` or
+    ``cpu (x86_64), 2 threads, float32, CPU wall clock``."""
+    m = _CPU_DEVICE.match(row.device)
+    device = row.device if m is None else f"cpu ({m['arch']}), {plural(int(m['threads']), 'thread')}"
+    timer = "CUDA events" if row.timer == "cuda-events" else "CPU wall clock"
+    return f"{device}, {row.dtype}, {timer}"
+
+
+def latency_fact(data: ReportData) -> str:
+    """The overview line on measured latency: where it was timed, or why there is none."""
+    m = data.measure
+    if not data.measured:
+        why = {"never": "costs.measure is never",
+               "auto": "costs.measure auto measures runs trained on CUDA; always also times CPU runs"}
+        return f"Measured latency: none ({why.get(m['measure'], 'no finished run measured yet')})"
+    rows = [r for s in data.summaries for r in s.latency.values()]
+    where = sorted({latency_device_text(r) for r in rows})
+    sessions = len({r.session for r in rows})
+    return (f"Measured latency: {'; '.join(where)}; final checkpoint of one run per variant, "
+            f"{plural(sessions, 'measuring session')}")
+
+
+def latency_note(data: ReportData) -> str:
+    """How the measured columns were taken, and every shape measured smaller than asked."""
+    m = data.measure
+    ctx = data.plan["runs"][0]["cost_context"]
+    rows = [r for s in data.summaries for r in s.latency.values()]
+    cuda = any(r.timer == "cuda-events" for r in rows)
+    text = (f"Measured latency: the inference engine of archlab serve (archlab.infer.bench) on the final "
+            f"checkpoint of one run per variant (its first finished seed: latency does not depend on the seed), "
+            f"timed after training in the suite's own process, one variant after another while no other archlab "
+            f"run trained on the host. Prefill ms: a {m['prompt']}-token prompt at batch 1 until its first "
+            f"token is chosen. Decode ms/token bN: one decode step of N sequences (one new token each) with "
+            f"{ctx} tokens in the cache. Medians "
+            + ("of CUDA-event timings after warm-up" if cuda else "")
+            + (" and " if cuda and not all(r.timer == "cuda-events" for r in rows) else "")
+            + ("of CPU wall-clock timings after warm-up (not comparable with GPU figures)"
+               if any(r.timer == "wall-clock" for r in rows) else "")
+            + ". In round brackets: the variant over the baseline at the same shape, device and dtype "
+              "(‡: measured in another session than the baseline's, so not in the same run).")
+    fitted: dict[str, list[str]] = {}
+    for s in data.summaries:
+        for r in s.latency.values():
+            if r.length != r.requested:
+                what = "prompt" if r.phase == "prefill" else f"decode b{r.batch} context"
+                fit = f"{what} {r.length} of {r.requested} (max_seq_len {r.max_seq_len})"
+                fitted.setdefault(fit, []).append(s.label)
+    if fitted:
+        text += (" Measured at a smaller shape than asked, the most the model has room for (in square "
+                 "brackets): " + "; ".join(f"{fit}: {', '.join(labels)}" for fit, labels in fitted.items()) + ".")
+    return text
 
 
 def overview(data: ReportData) -> list[str]:
@@ -294,6 +419,7 @@ def overview(data: ReportData) -> list[str]:
         f"Bonferroni over {plural(data.n_tests, 'variant')} at alpha = {data.alpha}",
         f"Code revision: {', '.join(revisions) or '-'}",
         devices_fact(data.rows),
+        latency_fact(data),
     ] + ([_downstream_fact(data)] if data.tasks else [])
 
 
@@ -467,6 +593,45 @@ def fig_tradeoff(data: ReportData) -> Figure:
     return fig
 
 
+def fig_latency(data: ReportData) -> Figure:
+    """Quality against decode cost computed (bytes per step) next to measured (ms per step at
+    batch 1, or the smallest batch measured), and against measured prefill latency."""
+    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    batch = 1 if 1 in data.measure["batches"] else min(data.measure["batches"])
+    ctx = data.plan["runs"][0]["cost_context"]
+    points = [(s, color) for s, color in zip(data.summaries, _colors(len(data.summaries)))
+              if s.mean_loss is not None]
+    rows = [r for s in data.summaries for r in s.latency.values()]
+    where = "; ".join(sorted({latency_device_text(r) for r in rows}))
+    panels = ((axes[0], lambda s: float(s.costs["decode_bytes_per_step"]),
+               f"bytes read per decode step (context {ctx}), computed"),
+              (axes[1], lambda s: s.latency[("decode", batch)].ms if ("decode", batch) in s.latency else None,
+               f"decode ms per token, batch {batch} (context {ctx}), measured"),
+              (axes[2], lambda s: s.latency[("prefill", 1)].ms if ("prefill", 1) in s.latency else None,
+               f"prefill ms, prompt {data.measure['prompt']}, measured"))
+    short = {(r.phase, r.batch) for r in rows if r.length != r.requested}
+    for (ax, value, xlabel), shape in zip(panels, (None, ("decode", batch), ("prefill", 1))):
+        if shape in short:
+            xlabel += "\n(some shortened to fit the model: see the costs note)"
+        shown = [(s, color, value(s)) for s, color in points if value(s) is not None]
+        if not shown:
+            _empty(ax, "nothing measured yet")
+            ax.set_xlabel(xlabel)
+            continue
+        for s, color, x in shown:
+            ax.errorbar([x], [s.mean_loss], yerr=[s.sd_loss or 0.0], fmt="s" if s.role == "baseline" else "o",
+                        color=color, capsize=3)
+            ax.annotate(s.label, (x, s.mean_loss), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.margins(x=0.15, y=0.15)
+    axes[0].set_ylabel("final validation loss")
+    fig.suptitle(f"quality against decode cost, computed and measured, and measured prefill cost ({where})",
+                 fontsize=10)
+    return fig
+
+
 def _png(fig: Figure) -> bytes:
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
@@ -511,20 +676,23 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     tables = [("Results", *results_table(data)), ("Costs", *costs_table(data))]
     if data.tasks:
         tables.append(("Downstream", *downstream_table(data)))
-    pngs = {name: _png(fn(data)) for (name, _), fn in zip(FIGURES, (fig_curves, fig_diffs, fig_tradeoff))}
+    figures = list(FIGURES) + ([LATENCY_FIGURE] if data.measured else [])
+    makers = (fig_curves, fig_diffs, fig_tradeoff, fig_latency)
+    pngs = {name: _png(fn(data)) for (name, _), fn in zip(figures, makers)}
     for name, blob in pngs.items():
         _write_atomic(out / name, blob)
     facts = overview(data)
     desc = data.suite["description"]
 
-    notes = {"Costs": COSTS_NOTE, "Downstream": DOWNSTREAM_NOTE}
+    notes = {"Costs": [COSTS_NOTE] + ([latency_note(data)] if data.measured else []),
+             "Downstream": [DOWNSTREAM_NOTE]}
     md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
     for name, header, rows in tables:
         md += [f"## {name}", "", _md_table(header, rows), ""]
-        if name in notes:
-            md += [notes[name], ""]
+        for note in notes.get(name, []):
+            md += [note, ""]
     md += [METHOD_NOTE, "", "## Figures", ""]
-    for name, caption in FIGURES:
+    for name, caption in figures:
         md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
     md_path = out / "report.md"
     _write_atomic(md_path, "\n".join(md).encode())
@@ -533,10 +701,10 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     body.append("<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")
     for name, header, rows in tables:
         body += [f"<h2>{name}</h2>", _html_table(header, rows)]
-        if name in notes:
-            body.append(f"<p>{html.escape(notes[name])}</p>")
+        for note in notes.get(name, []):
+            body.append(f"<p>{html.escape(note)}</p>")
     body += [f"<p>{html.escape(METHOD_NOTE)}</p>", "<h2>Figures</h2>"]
-    for name, caption in FIGURES:
+    for name, caption in figures:
         b64 = base64.b64encode(pngs[name]).decode()
         body.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{b64}">'
                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")

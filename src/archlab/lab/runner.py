@@ -31,6 +31,11 @@ recorded finished, on the run's final checkpoint, and is stored in one more tran
 ``downstream`` table). Whatever a run lacks for the suite's current tasks and item limit (an
 evaluation interrupted by a kill, or tasks added to the suite later) is evaluated on the next
 ``compare`` before any training, without retraining. Evaluations are claimed too.
+
+Measured latency (a suite's ``costs.measure``) is taken in this process too, after every run of
+the call has finished and only while no other process trains on this host, one variant after
+another, and stored in the ``latency`` table; what is missing is measured on the next ``compare``
+(``archlab.lab.latency`` says why it is done this way).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import archlab
 from archlab.config import RunConfig
 from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.lab.claims import Owner, die_with_parent
+from archlab.lab import latency as _latency
 from archlab.lab.fmt import clock, duration, si
 from archlab.lab.plan import DataJob, Plan, PlannedRun
 from archlab.lab.store import (Heartbeat, ResultStore, RunRow, RunStart, TrainOutcome, display_status,
@@ -95,6 +101,7 @@ class SuiteOutcome:
     diverged: int  # diverged in this call
     interrupted: str | None  # run id left unfinished by stop_after_steps, if any
     busy: tuple[str, ...] = ()  # run ids skipped: a live process elsewhere is training them
+    measured: int = 0  # variants whose latency was measured in this call
 
 
 def _real_train() -> TrainFn:
@@ -387,6 +394,7 @@ class _Tally:
     diverged: int = 0
     interrupted: str | None = None
     busy: list[str] | None = None
+    measured: int = 0
 
     def add(self, run: PlannedRun, end: RunEnd) -> None:
         self.finished += end.kind == "finished"
@@ -398,13 +406,14 @@ class _Tally:
             self.interrupted = self.interrupted or run.run_id
 
     def outcome(self) -> SuiteOutcome:
-        return SuiteOutcome(self.skipped, self.finished, self.diverged, self.interrupted, tuple(self.busy or ()))
+        return SuiteOutcome(self.skipped, self.finished, self.diverged, self.interrupted, tuple(self.busy or ()),
+                            self.measured)
 
 
 def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_fn: TrainFn | None = None,
               prepare_fn: PrepareFn | None = None, console: Console | None = None,
               stop_after_steps: int | None = None, jobs: int = 1,
-              eval_fn: EvalFn | None = None) -> SuiteOutcome:
+              eval_fn: EvalFn | None = None, measure_fn: _latency.MeasureFn | None = None) -> SuiteOutcome:
     """Train every run of ``runs`` that is not finished, in order, recording each in ``store``.
 
     ``stop_after_steps`` is passed to the trainer (a time-boxed session, or a test of resuming);
@@ -415,6 +424,9 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     ``jobs > 1`` trains that many runs at once, each in its own process (see ``_run_parallel``).
     With ``eval.tasks`` in the suite, every finished run is evaluated on them (``eval_fn``, by
     default ``evaluate_run``); the task data is read before anything trains.
+    Then, unless a run stopped short, the latency of every label of ``runs`` that the suite's
+    ``costs.measure`` asks for and the store lacks is measured (``measure_fn``, by default
+    ``archlab.lab.latency.measure_run``), after the progress display is gone.
     """
     console = console or Console()
     store.set_meta("plan", plan.meta())
@@ -437,20 +449,24 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
         if parallel:
             _run_parallel(plan, store, todo, tally, revision, progress, overall, train_fn, stop_after_steps,
                           jobs, eta, downstream)
-            return tally.outcome()
-        train = train_fn or _real_train()
-        for run in todo:
-            progress.update(overall, description=f"suite {plan.suite.name}: {run.label} seed {run.init_seed}")
-            end = _train_claimed(store, _job(plan, run, revision, stop_after_steps),
-                                 lambda cfg, out: train(cfg, out, resume=True, progress=progress,
-                                                        stop_after_steps=stop_after_steps))
-            eta.ended(run, end.row)
-            _end_run(progress, overall, end.message)
-            tally.add(run, end)
-            if end.kind == "stopped":
-                break
-            if end.kind == "finished" and downstream is not None:
-                downstream.evaluate(run, progress)
+        else:
+            train = train_fn or _real_train()
+            for run in todo:
+                progress.update(overall, description=f"suite {plan.suite.name}: {run.label} seed {run.init_seed}")
+                end = _train_claimed(store, _job(plan, run, revision, stop_after_steps),
+                                     lambda cfg, out: train(cfg, out, resume=True, progress=progress,
+                                                            stop_after_steps=stop_after_steps))
+                eta.ended(run, end.row)
+                _end_run(progress, overall, end.message)
+                tally.add(run, end)
+                if end.kind == "stopped":
+                    break
+                if end.kind == "finished" and downstream is not None:
+                    downstream.evaluate(run, progress)
+    # Outside the progress display (its refresh thread would share the CPU with wall-clock timings);
+    # a session that stopped short is over, and measures next time.
+    if tally.interrupted is None:
+        tally.measured = _latency.Latency(plan, store, measure_fn or _latency.measure_run, console).run(runs, revision)
     return tally.outcome()
 
 
@@ -729,6 +745,13 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow],
         summary += (f"; {states['interrupted']} interrupted (the process training "
                     f"{'it' if states['interrupted'] == 1 else 'them'} is gone; compare resumes "
                     f"{'it' if states['interrupted'] == 1 else 'them'} from the last checkpoint)")
+    spec = plan.suite.costs
+    if spec.measure == "always" or (spec.measure == "auto" and any(r.config.train.device != "cpu" for r in runs)):
+        where = "of runs on CUDA" if spec.measure == "auto" else "on the runs' device"
+        summary += (f"; then measured latency {where} (costs.measure {spec.measure}), one finished run per "
+                    f"variant: prefill of {spec.prompt} tokens, decode at batch "
+                    f"{', '.join(map(str, spec.batches))} with context {runs[0].cost_context if runs else '-'} "
+                    "(not in the estimate)")
     if plan.suite.eval.tasks:
         limit = plan.suite.eval.limit
         summary += (f"; then zero-shot {', '.join(plan.suite.eval.tasks)} on every finished run "

@@ -1,6 +1,7 @@
-"""The results store: one SQLite file per suite directory, one row per run (``runs``), and one
+"""The results store: one SQLite file per suite directory, one row per run (``runs``), one
 row per (run, downstream task, item limit) for zero-shot evaluations of finished runs
-(``downstream``).
+(``downstream``), and one row per (run, phase, batch, requested length) for measured inference
+latency of finished runs (``latency``).
 
 Why SQLite: a comparison can take days, gets interrupted, and is read by reports while it is
 still running. SQLite in WAL mode gives atomic, durable transactions (``synchronous=FULL``),
@@ -12,7 +13,8 @@ Invariants, enforced by the database itself (triggers), not only by this code:
 * a row whose status is ``finished`` or ``diverged`` is never updated or deleted, so nothing
   measured is lost or silently replaced;
 * a ``downstream`` row belongs to a finished run, and is never updated or deleted either (a new
-  item limit is a new row, so results with other limits stay as they were measured);
+  item limit is a new row, so results with other limits stay as they were measured); the same
+  for a ``latency`` row (another prompt, context or batch size is another row);
 * the schema version lives in ``PRAGMA user_version``; a file from a newer archlab is refused
   rather than misread, and an older one is migrated when opened (``_MIGRATIONS``; each step
   only adds tables or nullable columns, so nothing already stored changes).
@@ -28,7 +30,7 @@ without a live claim is a run that was *interrupted* (``display_status``).
 Schema versions: v1, the ``runs`` and ``meta`` tables; v2 (downstream evaluation) adds the
 ``downstream`` table and its triggers; v3 adds the ``claims`` table and ``runs.runs_at_once``
 (how many runs this host was training at once while the run trained, sampled: the context its
-tokens/s was measured in).
+tokens/s was measured in); v4 (measured cost) adds the ``latency`` table and its triggers.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any, Iterator, Literal, Protocol
 from archlab.errors import ArchlabError
 from archlab.lab.claims import HEARTBEAT_S, Owner, holder_alive
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DB_NAME = "results.sqlite"
 
 Status = Literal["running", "finished", "diverged"]
@@ -149,8 +151,39 @@ _SCHEMA_V3: tuple[str, ...] = (
     "ALTER TABLE runs ADD COLUMN runs_at_once INTEGER",
 )
 
+_SCHEMA_V4: tuple[str, ...] = (
+    """CREATE TABLE latency (
+        run_id TEXT NOT NULL REFERENCES runs (run_id),
+        phase TEXT NOT NULL CHECK (phase IN ('prefill', 'decode')),
+        batch INTEGER NOT NULL CHECK (batch > 0),
+        requested INTEGER NOT NULL CHECK (requested > 0),  -- the suite's prompt (prefill) or context
+        length INTEGER NOT NULL CHECK (length > 0),  -- measured at: below requested when the model's
+                                                     -- max_seq_len had no room for it
+        max_seq_len INTEGER,        -- the model's
+        steps INTEGER NOT NULL CHECK (steps > 0),    -- timed repetitions (prefill) / decode steps
+        ms REAL NOT NULL,           -- median: one prefill call / one decode step of the batch
+        timer TEXT NOT NULL CHECK (timer IN ('cuda-events', 'wall-clock')),
+        device TEXT NOT NULL,       -- archlab.io.device.device_name
+        dtype TEXT NOT NULL,        -- weights and KV cache
+        mfu REAL,                   -- prefill, against the device's peak (None: unknown peak)
+        roofline_ms REAL,           -- decode: bytes per step / measured copy bandwidth
+        bandwidth REAL,             -- measured device copy bandwidth, bytes/s
+        session TEXT NOT NULL,      -- one measuring pass: ratios within one are from the same run
+        code_revision TEXT,
+        measured_at REAL NOT NULL,
+        PRIMARY KEY (run_id, phase, batch, requested)
+    )""",
+    """CREATE TRIGGER latency_of_finished_runs_only BEFORE INSERT ON latency
+       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
+       BEGIN SELECT RAISE(ABORT, 'archlab: latency results belong to a finished run'); END""",
+    """CREATE TRIGGER latency_no_update BEFORE UPDATE ON latency
+       BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never overwritten'); END""",
+    """CREATE TRIGGER latency_no_delete BEFORE DELETE ON latency
+       BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never deleted'); END""",
+)
+
 # _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3)
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -254,6 +287,17 @@ def downstream_key(run_id: str) -> str:
     return f"downstream:{run_id}"
 
 
+# The claim key of a suite's latency measurements: one process measures at a time (two measuring
+# at once on one host would distort each other's timings). A run id never holds a colon (labels
+# are letters, digits and _ . + -), so keys with one are never runs.
+LATENCY_KEY = "latency:suite"
+
+
+def is_run_key(key: str) -> bool:
+    """Whether a claim key is a run being trained (not an evaluation or a measurement)."""
+    return ":" not in key
+
+
 def display_status(row: RunRow, live: set[str] | dict[str, Any]) -> str:
     """The status a person should read: a ``running`` row whose claim is not live (``live``: the
     keys of live claims, ``ResultStore.live_claims``) is ``interrupted``: nothing trains it."""
@@ -291,6 +335,39 @@ class DownstreamRow:
     def stderr(self) -> float:
         """Binomial standard error of ``value`` over the task's items."""
         return self.acc_stderr if self.acc_norm_stderr is None else self.acc_norm_stderr
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    """One measured inference latency of one finished run (``archlab.infer.bench``)."""
+
+    run_id: str
+    phase: Literal["prefill", "decode"]
+    batch: int
+    requested: int  # the suite's prompt length (prefill) or context (decode)
+    length: int  # what was measured: ``requested``, or the most the model's max_seq_len had room for
+    max_seq_len: int | None
+    steps: int  # timed repetitions (prefill) or decode steps (the median is over these)
+    ms: float  # median ms of one prefill call / one decode step (one token for each sequence)
+    timer: Literal["cuda-events", "wall-clock"]
+    device: str
+    dtype: str
+    mfu: float | None
+    roofline_ms: float | None
+    bandwidth: float | None
+    session: str
+    code_revision: str | None
+    measured_at: float
+
+    @property
+    def shape(self) -> tuple[str, int, int]:
+        """What the suite asked for: (phase, batch, requested length)."""
+        return (self.phase, self.batch, self.requested)
+
+
+def _opt(x: float | None) -> float | None:
+    """NaN (an unmeasurable bandwidth on CPU) and None are stored as NULL."""
+    return None if x is None or x != x else float(x)
 
 
 def _dumps(value: Any) -> str:
@@ -471,7 +548,7 @@ class ResultStore:
         """How many runs processes on ``me``'s host are training now (live run claims there)."""
         me = me or Owner.current()
         return sum(1 for k, c in self.live_claims(me).items()
-                   if not k.startswith("downstream:") and c.owner.host == me.host and c.owner.boot == me.boot)
+                   if is_run_key(k) and c.owner.host == me.host and c.owner.boot == me.boot)
 
     def finish_run(self, run_id: str, result: TrainOutcome, *, final_val_loss: float,
                    final_val_bpb: float, runs_at_once: int | None = None) -> None:
@@ -525,6 +602,26 @@ class ResultStore:
             run_id=r["run_id"], task=r["task"], limit=r["item_limit"] or None, n=r["n"], acc=r["acc"],
             acc_stderr=r["acc_stderr"], acc_norm=r["acc_norm"], acc_norm_stderr=r["acc_norm_stderr"],
             ppl=r["ppl"], source=r["source"], evaluated_at=r["evaluated_at"]) for r in rows]
+
+    # ---- measured latency ---------------------------------------------------------------------
+    def add_latency(self, rows: list["LatencyRow"]) -> None:
+        """Store measured latencies (of finished runs), all in one transaction."""
+        with self._transaction() as c:
+            for r in rows:
+                c.execute(
+                    "INSERT INTO latency (run_id, phase, batch, requested, length, max_seq_len, steps, ms, timer, "
+                    "device, dtype, mfu, roofline_ms, bandwidth, session, code_revision, measured_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (r.run_id, r.phase, int(r.batch), int(r.requested), int(r.length), r.max_seq_len,
+                     int(r.steps), float(r.ms), r.timer, r.device, r.dtype, _opt(r.mfu), _opt(r.roofline_ms),
+                     _opt(r.bandwidth), r.session, r.code_revision, float(r.measured_at)))
+
+    def latency(self, run_id: str | None = None) -> list["LatencyRow"]:
+        """Measured latencies, of one run or of every run, in the order they were stored."""
+        sql = "SELECT * FROM latency" + (" WHERE run_id = ?" if run_id is not None else "")
+        rows = self._conn.execute(sql + " ORDER BY measured_at, run_id, phase, batch",
+                                  () if run_id is None else (run_id,))
+        return [LatencyRow(**{k: r[k] for k in r.keys()}) for r in rows]
 
     # ---- reading ---------------------------------------------------------------------------
     def get(self, run_id: str) -> RunRow | None:

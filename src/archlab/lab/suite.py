@@ -37,7 +37,17 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
                                   #   working directory for a built-in suite); default
                                   #   $ARCHLAB_TASK_DIR
       limit: 500                  # evaluate the first N items of each task (default: all)
-    costs: {context: 1024, dtype_bytes: 2}   # where prefill/decode costs are stated
+    costs:                        # where prefill/decode costs are stated, and what is measured
+      context: 1024               # tokens in the KV cache for decode costs, computed and measured
+                                  #   (default: train.seq_len)
+      dtype_bytes: 2              # bytes per weight / KV element of the computed decode bytes
+      measure: auto               # measured prefill/decode latency of each variant's final
+                                  #   checkpoint on the engine ``archlab serve`` uses: auto (when
+                                  #   the runs' device is CUDA), always (CPU too: wall clock),
+                                  #   never
+      prompt: 2048                # prefill: a prompt of this many tokens, batch 1
+      batches: [1, 8]             # decode: ms per step at these batch sizes
+      steps: 100                  # decode: timed steps per batch size (medians)
     estimate: {tokens_per_s: 6000}           # baseline throughput assumed by --dry-run
 
 ``train.seed``, ``train.steps`` and ``data.seed`` belong to the suite (seeds and budget) and
@@ -45,6 +55,10 @@ are refused in ``base``, variants and ``--set``.
 
 Downstream tasks do not change what is trained or any run id: adding tasks (or changing the
 limit) to a finished suite evaluates its finished runs on the next ``compare`` without retraining.
+The same holds for measured latency (``costs.measure``, ``prompt``, ``batches``): what a finished
+suite lacks is measured on the next ``compare`` (``archlab.lab.latency``). A model whose
+``max_seq_len`` is below the prompt, or below the context plus the timed steps, is measured at the
+largest shape that fits, and the report says which.
 """
 
 from __future__ import annotations
@@ -108,10 +122,22 @@ class EvalSpec:
     limit: int | None = None  # items per task (None = all)
 
 
+Measure = Literal["auto", "always", "never"]
+_MEASURES: tuple[str, ...] = ("auto", "always", "never")
+
+
 @dataclass(frozen=True)
 class CostSpec:
     context: int | None  # context for prefill/decode costs (None = train.seq_len)
     dtype_bytes: int
+    measure: Measure = "auto"  # measured latency: on CUDA runs (auto), on any device, or not at all
+    prompt: int = 2048  # measured prefill: prompt tokens, batch 1
+    batches: tuple[int, ...] = (1, 8)  # measured decode: batch sizes, at ``context``
+    steps: int = 100  # measured decode: timed steps per batch size
+
+    def measures_on(self, device_type: str) -> bool:
+        """Whether runs trained on a device of this type (``cuda``, ``cpu``) are measured."""
+        return self.measure == "always" or (self.measure == "auto" and device_type == "cuda")
 
 
 @dataclass(frozen=True)
@@ -149,7 +175,8 @@ class Suite:
                       "data": "init" if self.seeds.data is None else self.seeds.data},
             "baseline": self.baseline, "variants": self.variants,
             "eval": dict(vars(self.eval), tasks=list(self.eval.tasks)),
-            "costs": vars(self.costs), "estimate": {"tokens_per_s": self.tokens_per_s},
+            "costs": dict(vars(self.costs), batches=list(self.costs.batches)),
+            "estimate": {"tokens_per_s": self.tokens_per_s},
         }
 
 
@@ -231,6 +258,10 @@ class _EvalSection:
 class _CostsSection:
     context: int | None = None
     dtype_bytes: int = 2
+    measure: str = "auto"  # a str, not a Literal: the message names the allowed values plainly
+    prompt: int = 2048
+    batches: list[int] = field(default_factory=lambda: [1, 8])
+    steps: int = 100
 
 
 @dataclass
@@ -402,8 +433,15 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
 
     if not _NAME.match(f.baseline):
         r.fail("baseline", f"{f.baseline!r} must be letters, digits and _ . + -")
-    for key in ("context", "dtype_bytes"):
+    for key in ("context", "dtype_bytes", "prompt", "steps"):
         _positive(r, f"costs.{key}", getattr(f.costs, key))
+    if f.costs.measure not in _MEASURES:
+        r.fail("costs.measure", f"must be one of {', '.join(_MEASURES)}, got {f.costs.measure!r}")
+    batches = f.costs.batches
+    if not batches or any(b < 1 for b in batches):
+        r.fail("costs.batches", f"expected a non-empty list of positive integers, got {batches!r}")
+    if len(set(batches)) != len(batches):
+        r.fail("costs.batches", f"has repeated batch sizes: {batches!r}")
     _positive(r, "estimate.tokens_per_s", f.estimate.tokens_per_s)
 
     return Suite(
@@ -412,6 +450,8 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
         budget=Budget(tokens=f.budget.tokens, match=f.budget.match),  # type: ignore[arg-type]
         seeds=seeds, baseline=f.baseline, variants=_variants(r, f.variants, f.baseline),
         eval=_eval_spec(r, f.eval, base_dir),
-        costs=CostSpec(context=f.costs.context, dtype_bytes=f.costs.dtype_bytes),
+        costs=CostSpec(context=f.costs.context, dtype_bytes=f.costs.dtype_bytes,
+                       measure=f.costs.measure,  # type: ignore[arg-type]
+                       prompt=f.costs.prompt, batches=tuple(batches), steps=f.costs.steps),
         tokens_per_s=f.estimate.tokens_per_s,
     )
