@@ -87,7 +87,8 @@ class Engine:
         self.seed = torch.zeros(slots, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(slots, self.vocab, device=dev)  # the last step's predictions
         self._graphs: dict[bool, Callable[[], None]] = {}
-        self._prefills: dict[tuple[int, int], Callable[..., Tensor]] = {}
+        self._prefills: dict[tuple[int, int], _Prefill] = {}
+        self._pool = None  # the CUDA graphs' shared memory pool
         if self.compile:
             from torch import _dynamo
 
@@ -99,43 +100,29 @@ class Engine:
             self._decode_fn = self._decode_impl
 
     # ---- the two phases ---------------------------------------------------------------------------
-    def _prefill_impl(self, idx: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
-        return self.model.prefill(idx, self.cache, lengths, rows)
-
     @torch.no_grad()
     def prefill(self, rows: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Tensor, Tensor]:
-        """Prompts into slots ``rows``; (first new token [n], its log-probabilities [n, V])."""
+        """Prompts into slots ``rows``; (first new token [n], its log-probabilities [n, V]).
+
+        The returned tensors are the prefill's own buffers: read them before the next prefill of
+        the same shape (the scheduler reads the tokens at once)."""
         n = len(prompts)
-        longest = max(len(p) for p in prompts)
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("every prompt needs at least one token")
         for p, sp in zip(prompts, params):
             if len(p) + sp.max_new_tokens - 1 > self.max_len:
                 raise ValueError(f"prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceed the "
                                  f"context of {self.max_len} tokens")
-        t = bucket(longest, self.max_len)
+        t = bucket(max(len(p) for p in prompts), self.max_len)
         idx = torch.zeros(n, t, dtype=torch.long)
         for i, p in enumerate(prompts):
             idx[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        dev = self.device
-        idx, lengths = idx.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
-        row_t = torch.tensor(rows, device=dev)
-        self._set_params(row_t, params)
-        fn = self._prefill_fn(n, t)
-        logprobs = fn(idx, lengths, row_t)
-        tok = sample(logprobs, self.temperature[row_t], self.top_k[row_t], self.top_p[row_t], self.seed[row_t],
-                     lengths)
-        self.tokens[row_t] = tok
-        self.positions[row_t] = lengths
-        return tok, logprobs
-
-    def _prefill_fn(self, n: int, t: int) -> Callable[..., Tensor]:
-        if not self.compile:
-            return self._prefill_impl
-        fn = self._prefills.get((n, t))
-        if fn is None:
-            fn = self._prefills[(n, t)] = torch.compile(self._prefill_impl, dynamic=False)
-        return fn
+        inputs = (idx, torch.tensor([len(p) for p in prompts]), torch.tensor(rows))
+        self._set_params(inputs[2].to(self.device), params)
+        runner = self._prefills.get((n, t))
+        if runner is None:
+            runner = self._prefills[(n, t)] = _Prefill(self, n, t)
+        return runner(*inputs)
 
     def _set_params(self, rows: Tensor, params: list[SamplingParams]) -> None:
         dev = self.device
@@ -167,40 +154,39 @@ class Engine:
             return self.tokens
         graph = self._graphs.get(greedy)
         if graph is None:
-            graph = self._graphs[greedy] = self._capture(greedy)
+            # The warm-up steps write into the state: it is restored afterwards (their cache writes
+            # land at positions that prefill or decoding overwrite before reading them).
+            saved = [t.clone() for t in (self.tokens, self.positions)]
+            graph = self._graphs[greedy] = self.capture(lambda: self._step_body(greedy), "decode step")
+            self.tokens.copy_(saved[0])
+            self.positions.copy_(saved[1])
         graph()
         return self.tokens
 
-    def _capture(self, greedy: bool) -> Callable[[], None]:
-        """The step as a CUDA graph; a step that cannot be captured (one that reads a value on the
-        host, e.g. MoE's per-expert loop outside bf16) runs uncaptured, said once on stderr."""
+    def capture(self, body: Callable[[], None], what: str) -> Callable[[], None]:
+        """``body`` compiled (by its first calls) and captured as a CUDA graph, in the engine's one
+        memory pool (graphs run one at a time, so they share it). A body that cannot be captured
+        (one that reads a value on the host, e.g. MoE's per-expert loop outside bf16) runs
+        uncaptured, said once on stderr."""
         try:
-            return self._capture_graph(greedy)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    body()
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+            return graph.replay
         except RuntimeError as e:
             import sys
 
-            print(f"archlab: the decode step runs without a CUDA graph ({str(e).splitlines()[0][:120]})",
-                  file=sys.stderr)
+            print(f"archlab: the {what} runs without a CUDA graph ({str(e).splitlines()[0][:120]})", file=sys.stderr)
             torch.cuda.synchronize()
-            return lambda: self._step_body(greedy)
-
-    def _capture_graph(self, greedy: bool) -> Callable[[], None]:
-        """Compile (first calls) and capture the step as a CUDA graph. The warm-up steps write
-        into the cache and the state, so the state is saved and restored around them; their cache
-        writes land at positions that prefill or decoding overwrite before reading."""
-        saved = [t.clone() for t in (self.tokens, self.positions)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._step_body(greedy)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step_body(greedy)
-        self.tokens.copy_(saved[0])
-        self.positions.copy_(saved[1])
-        return graph.replay
+            return body
 
     def warm_up(self, buckets: tuple[int, ...] = ()) -> None:
         """Compile and capture ahead of the first request (a server does this at start): both
@@ -208,7 +194,8 @@ class Engine:
         if self.cuda:
             for greedy in (True, False):
                 if greedy not in self._graphs:
-                    self._graphs[greedy] = self._capture(greedy)
+                    self.step(greedy)
+                    self.positions.zero_()
         for t in buckets:
             self.prefill([0], [[0] * t], [SamplingParams(max_new_tokens=1)])
 
@@ -220,6 +207,49 @@ class Engine:
         requests = [Request(p, sp, on_token=on_token) for p, sp in zip(prompts, plist)]
         Scheduler(self).run(requests)
         return requests
+
+
+class _Prefill:
+    """Prefill of ``n`` prompts padded to ``t`` tokens: static input buffers and, on CUDA, the
+    model's prefill, the first token's sampling and the slots' state update compiled once and
+    replayed as one CUDA graph (a prefill's host work would otherwise cost more than its GPU time
+    at small sizes, and the decode branch's row of the last prompt token would pay it again)."""
+
+    def __init__(self, engine: Engine, n: int, t: int):
+        self.engine = e = engine
+        dev = e.device
+        self.idx = torch.zeros(n, t, dtype=torch.long, device=dev)
+        self.lengths = torch.ones(n, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(n, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(n, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(n, e.vocab, device=dev)
+        self.fn = torch.compile(self._impl, dynamic=False) if e.compile else self._impl
+        self.replay: Callable[[], None] | None = None
+
+    def _impl(self) -> tuple[Tensor, Tensor]:
+        e, rows = self.engine, self.rows
+        logprobs = e.model.prefill(self.idx, e.cache, self.lengths, rows)
+        tok = sample(logprobs, e.temperature[rows], e.top_k[rows], e.top_p[rows], e.seed[rows], self.lengths)
+        return logprobs, tok
+
+    def _body(self) -> None:
+        logprobs, tok = self.fn()
+        e = self.engine
+        self.logprobs.copy_(logprobs)
+        self.tok.copy_(tok)
+        e.tokens[self.rows] = tok
+        e.positions[self.rows] = self.lengths
+
+    def __call__(self, idx: Tensor, lengths: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        for buf, value in ((self.idx, idx), (self.lengths, lengths), (self.rows, rows)):
+            buf.copy_(value, non_blocking=True)
+        if not self.engine.cuda:
+            self._body()
+        else:
+            if self.replay is None:  # the warm-up calls prefill these very prompts
+                self.replay = self.engine.capture(self._body, "prefill")
+            self.replay()
+        return self.tok, self.logprobs
 
 
 class Scheduler:

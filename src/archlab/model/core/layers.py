@@ -212,12 +212,15 @@ class Attention(nn.Module):
         lead = ctx.rows.lead(rows)
         w = self.wqkv.weight
         k = v = None
-        if lead == rows:
+        if lead:
+            # Primary rows, with any followers stacked after them (grouped decode): one matmul
+            # reads every weight once for all rows; the followers' keys/values are dropped
+            # (computing them costs no extra bytes, a second matmul would cost a launch).
             q, k, v = self.wqkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        else:  # followers: queries from the shared W_Q, no keys/values of their own
+            if lead < rows:
+                k, v = k[:lead], v[:lead]
+        else:  # followers alone: queries from the shared W_Q, no keys/values of their own
             q = F.linear(x, w[: self.q_dim])
-            if lead:  # grouped decode: every weight row is read once for all rows
-                k, v = F.linear(x[:lead], w[self.q_dim:]).split(self.kv_dim, dim=-1)
         q = ctx.rows.tap(self.layer, "q", q)
         q = ctx.rope.rotate(self._heads(q, self.n_heads), self.head_dim)
         if k is not None:
@@ -248,10 +251,16 @@ class Attention(nn.Module):
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         # Cached: fold follower rows into the query-time axis so that every row of a sequence
         # reads that sequence's cache once, in one attention call with the primary rows.
+        reps = (q.shape[0] - lead) // batch
+        if t == 1 and lead == batch and reps:
+            # Grouped decode: the rows of a sequence become its queries by a view alone (no copy),
+            # and the sequence's one-query mask broadcasts over them.
+            g, h, hd = 1 + reps, q.shape[1], q.shape[3]
+            o = sdpa(q.view(g, batch, h, hd).permute(1, 2, 0, 3), k, v, mask=ctx.mask)  # [B, H, g, hd]
+            return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
         folded = []
         if lead:
             folded.append(q[:lead])
-        reps = (q.shape[0] - lead) // batch
         if reps:
             qf = q[lead:].view(reps, batch, *q.shape[1:]).permute(1, 2, 0, 3, 4)
             folded.append(qf.reshape(batch, q.shape[1], reps * t, q.shape[3]))
