@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from archlab.infer.engine import Engine, Request, Scheduler, bucket
-from archlab.infer.sampling import SamplingParams, sample, uniforms
+from archlab.infer.sampling import SamplingParams, sample, token_keys, uniforms
 from archlab.model import build_model
 from tests.helpers import tiny_model_cfg
 from tests.infer.test_generate import assert_matches_full_forward
@@ -106,10 +106,11 @@ def test_top_k_and_top_p_restrict_support():
 
 
 def test_uniforms_are_a_function_of_seed_position_and_token():
-    u = uniforms(torch.tensor([1, 1, 2]), torch.tensor([5, 6, 5]), 1000)
+    keys = token_keys(1000)
+    u = uniforms(torch.tensor([1, 1, 2]), torch.tensor([5, 6, 5]), keys)
     assert ((u > 0) & (u < 1)).all()
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    assert torch.equal(u[0], uniforms(torch.tensor([1]), torch.tensor([5]), 1000)[0])
+    assert torch.equal(u[0], uniforms(torch.tensor([1]), torch.tensor([5]), keys)[0])
     assert abs(float(u.mean()) - 0.5) < 0.02
 
 

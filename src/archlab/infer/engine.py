@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from archlab.infer.sampling import SamplingParams, sample
+from archlab.infer.sampling import SamplingParams, sample, token_keys
 from archlab.model.core.decoder import Transformer
 
 MIN_BUCKET = 16
@@ -86,6 +86,7 @@ class Engine:
         self.top_p = torch.ones(slots, device=dev)
         self.seed = torch.zeros(slots, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(slots, self.vocab, device=dev)  # the last step's predictions
+        self.token_keys = token_keys(self.vocab, dev)  # the sampler's per-token hash keys
         self._graphs: dict[bool, Callable[[], None]] = {}
         self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._pool = None  # the CUDA graphs' shared memory pool
@@ -134,7 +135,7 @@ class Engine:
     def _decode_impl(self, greedy: bool) -> tuple[Tensor, Tensor]:
         logprobs = self.model.decode(self.tokens[:, None], self.cache, self.positions)
         nxt = logprobs.argmax(-1) if greedy else sample(logprobs, self.temperature, self.top_k, self.top_p,
-                                                         self.seed, self.positions + 1)
+                                                         self.seed, self.positions + 1, self.token_keys)
         return logprobs, nxt
 
     def _step_body(self, greedy: bool) -> None:
@@ -229,7 +230,8 @@ class _Prefill:
     def _impl(self) -> tuple[Tensor, Tensor]:
         e, rows = self.engine, self.rows
         logprobs = e.model.prefill(self.idx, e.cache, self.lengths, rows)
-        tok = sample(logprobs, e.temperature[rows], e.top_k[rows], e.top_p[rows], e.seed[rows], self.lengths)
+        tok = sample(logprobs, e.temperature[rows], e.top_k[rows], e.top_p[rows], e.seed[rows], self.lengths,
+                     e.token_keys)
         return logprobs, tok
 
     def _body(self) -> None:

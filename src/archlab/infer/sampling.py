@@ -61,22 +61,29 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ _lsr(x, 31)
 
 
-def uniforms(seed: Tensor, position: Tensor, vocab: int) -> Tensor:
-    """``u`` in (0, 1) for every (row, token id): [B, vocab], a pure function of its inputs."""
+def token_keys(vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """A 64-bit key per token id, [vocab] int64. Computed outside any compiled code: inside it,
+    Triton would multiply the token index (an int32) by the 64-bit constant and fail."""
+    return _mix(torch.arange(vocab, device=device, dtype=torch.long) * _GOLDEN)
+
+
+def uniforms(seed: Tensor, position: Tensor, keys: Tensor) -> Tensor:
+    """``u`` in (0, 1) for every (row, token id): [B, vocab], a pure function of the seed, the
+    position and the token (``keys = token_keys(vocab)``)."""
     row = _mix(seed.long() * _GOLDEN + position.long())  # [B]
-    tokens = torch.arange(vocab, device=seed.device, dtype=torch.long)
-    h = _mix(row[:, None] + tokens[None, :] * _GOLDEN)
+    h = _mix(row[:, None] ^ keys[None, :])
     return (_lsr(h, 40).float() + 0.5) / float(1 << 24)  # 24 random bits, never 0 or 1
 
 
 def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
-           position: Tensor) -> Tensor:
+           position: Tensor, keys: Tensor | None = None) -> Tensor:
     """One token per row from log-probabilities [B, V]; rows with temperature 0 take the argmax.
 
     ``top_k`` keeps the k most likely tokens (0: all); ``top_p`` then keeps the smallest set of
     most likely tokens whose probability reaches ``top_p`` (a token is dropped when the tokens
     ranked above it already reach it; the first always stays). ``position`` is the position the
-    chosen token will have in its sequence (part of the hash).
+    chosen token will have in its sequence (part of the hash); ``keys`` is ``token_keys(V)``,
+    which compiled callers pass in (computed once, outside the compiled code).
     """
     logits = logprobs.float()
     vocab = logits.shape[-1]
@@ -89,6 +96,8 @@ def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, 
     probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
     keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
     kept = torch.zeros_like(keep).scatter(-1, order, keep)  # back to token order
-    gumbel = -torch.log(-torch.log(uniforms(seed, position, vocab)))
+    if keys is None:
+        keys = token_keys(vocab, logits.device)
+    gumbel = -torch.log(-torch.log(uniforms(seed, position, keys)))
     chosen = (scaled + gumbel).masked_fill(~kept, float("-inf")).argmax(-1)
     return torch.where(temperature > 0, chosen, greedy)
