@@ -32,8 +32,6 @@ OPTIONS = {
     "branch": ["model.branch.enabled=true", "model.branch.n_branches=2"],
     "mhar4-triton+branch": ["model.residual.kind=attnres", "model.residual.heads=4", "model.residual.impl=triton",
                             "model.branch.enabled=true"],
-    "variable-width+branch": ["model.width=variable", "model.variable_width.head_dim=16", "model.branch.enabled=true"],
-    "moe+branch (bf16)": ["model.ffn=moe", "model.moe.shared_expert=true", "model.branch.enabled=true"],
 }
 
 

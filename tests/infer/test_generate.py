@@ -24,7 +24,8 @@ def teacher_forced(model, seqs: list[list[int]], prompt_lens: list[int]) -> list
     got = [[lp[i].clone()] for i in range(n)]
     steps = max(len(s) - p for s, p in zip(seqs, prompt_lens)) - 1
     for j in range(steps):
-        eng.tokens[:n] = torch.tensor([s[p + j] if p + j < len(s) else 0 for s, p in zip(seqs, prompt_lens)])
+        eng.tokens[:n] = torch.tensor([s[p + j] if p + j < len(s) else 0 for s, p in zip(seqs, prompt_lens)],
+                                      device=eng.device)
         eng.step(greedy=True)
         for i in range(n):
             got[i].append(eng.logprobs[i].clone())
@@ -36,6 +37,6 @@ def assert_matches_full_forward(model, seqs, prompt_lens, atol=1e-5):
     got = teacher_forced(model, seqs, prompt_lens)
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         with torch.no_grad():
-            ref = model.log_probs(model(torch.tensor([s])))[0]
+            ref = model.log_probs(model(torch.tensor([s], device=model.lm_head.weight.device)))[0]
         for j in range(len(s) - p):
             torch.testing.assert_close(got[i][j], ref[p - 1 + j], atol=atol, rtol=0)

@@ -75,6 +75,7 @@ def uniforms(seed: Tensor, position: Tensor, keys: Tensor) -> Tensor:
     return (_lsr(h, 40).float() + 0.5) / float(1 << 24)  # 24 random bits, never 0 or 1
 
 
+@torch.compiler.disable  # eager inside compiled steps: inductor (torch 2.11) failed to generate its sort/softmax
 def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
            position: Tensor, keys: Tensor | None = None) -> Tensor:
     """One token per row from log-probabilities [B, V]; rows with temperature 0 take the argmax.
