@@ -30,9 +30,7 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +42,8 @@ from archlab.data.decoding import DEFAULT_ENCODING, text_bytes
 from archlab.data.sources import open_source
 from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
 from archlab.errors import DataError
+from archlab.io.temporaries import TEMPORARY, process_exists, temporary_path
+from archlab.io.temporaries import host as this_host
 
 MANIFEST_FILE = "manifest.json"
 DOCUMENTS_FILE = "documents.jsonl"
@@ -285,33 +285,9 @@ def _install(tmp: Path, out: Path) -> None:
 # (SIGKILL, out of memory, power loss) cannot remove them, and on a full disk they keep it full,
 # so every prepare first removes those whose process is gone. Host and pid in the name tell a
 # dead run from a live one; a directory from another host (a shared file system) is left alone.
-_TEMPORARY = re.compile(
-    r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+# The name format and the liveness test are ``archlab.io.temporaries``'s, shared with checkpoints.
 # Before names carried a pid, temporaries were ``.NAME.tmp-XXXXXXXX``: removed once this old.
 _LEGACY_STALE_S = 6 * 3600
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
-
-
-def temporary_path(out: Path, kind: str, pid: int | None = None) -> Path:
-    """A new name for a temporary (``kind`` tmp or old) of ``out``, owned by process ``pid``
-    (default: this one) on this host."""
-    pid = os.getpid() if pid is None else pid
-    return out.with_name(f".{out.name}.{kind}-{_host()}-{pid}-{uuid.uuid4().hex[:8]}")
-
-
-def _process_exists(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not a process id we could have written: never treat it as dead
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, under another user
-        return True
-    return True
 
 
 def remove_stale_temporaries(out: Path) -> list[Path]:
@@ -326,15 +302,15 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
         entries = list(out.parent.iterdir()) if out.parent.is_dir() else []
     except OSError:
         return removed
-    host = _host()
+    host = this_host()
     legacy = re.compile(rf"^\.{re.escape(out.name)}\.tmp-[0-9a-f]{{8}}$")
     for path in entries:
-        m = _TEMPORARY.match(path.name)
+        m = TEMPORARY.match(path.name)
         try:
             if not path.is_dir() or path.is_symlink():
                 continue
             if m is not None:
-                if m["host"] != host or _process_exists(int(m["pid"])):
+                if m["host"] != host or process_exists(int(m["pid"])):
                     continue
                 if m["kind"] == "old" and not (out.parent / m["name"] / MANIFEST_FILE).is_file():
                     continue

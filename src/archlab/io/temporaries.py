@@ -6,10 +6,9 @@ process that is killed (SIGKILL, out of memory, power loss) cannot remove its ow
 writer removes those whose process is gone; host and pid in the name tell which those are, and
 another host's (a shared file system) are left alone.
 
-This is the format ``archlab.data.prepare`` gives its temporaries, so that either cleanup reads
-the other's names the same way. It is kept here rather than imported from there: importing the
-submodule ``archlab.data.prepare`` rebinds the package attribute ``archlab.data.prepare`` (the
-function) to the module. Free of torch.
+Checkpoints (``archlab.io.checkpoint``) and prepared data (``archlab.data.prepare``) both name
+their temporaries this way, so either cleanup reads the other's names the same way. Free of
+torch.
 """
 
 from __future__ import annotations

@@ -21,15 +21,6 @@ BASE = ["model.vocab_size=97", "model.d_model=64", "model.n_layers=2", "model.n_
         "model.max_seq_len=64", "train.seq_len=32", "model.init=gamma"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core machine (thread
-    hand-offs cost more than these ops); restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 class Recorder(Init):
     """Draws through ``inner`` and keeps (tensor, fan_in, role) of every draw."""

@@ -19,15 +19,6 @@ from archlab.model.variants.prism.module import head_dim_cap, stage_of
 from tests.infer.test_generate import assert_matches_full_forward
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core machine (thread
-    hand-offs cost more than these ops); restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def cfg_of(prism: PrismConfig | None = None, **over) -> ModelConfig:
     base = dict(vocab_size=97, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)

@@ -21,15 +21,6 @@ from archlab.model.variants.triplu import TriPLUConfig
 from archlab.model.variants.triplu.module import TriPLU, solve_hidden
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core machine (thread
-    hand-offs cost more than these ops); restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def cfg_of(d: int = 64, **triplu) -> ModelConfig:
     cfg = ModelConfig(vocab_size=97, d_model=d, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,

@@ -17,13 +17,6 @@ from archlab.model.core.spec import base_width, layer_specs
 from archlab.model.variants.width.module import schedule
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def small(*extra: str):
     return make_config("tiny", overrides=["model.vocab_size=97", "model.d_model=64", "model.n_layers=5",

@@ -37,15 +37,6 @@ PAIRS = [p for p in itertools.combinations(OPTIONS, 2)
          if (p[0] in ZOO_OPTIONS or p[1] in ZOO_OPTIONS) and p not in SAME_SLOT | EXCLUDED]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core machine (thread
-    hand-offs cost more than these ops); restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def run_config(*names: str, extra: tuple[str, ...] = ()):
     return make_config("tiny", overrides=[*BASE, *(o for n in names for o in OPTIONS[n]), *extra])
