@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -248,3 +249,14 @@ def test_argtypes_for_generate_sampling(capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert f"argument {argv[0]}: must be" in err and allowed in err, err
+
+
+def test_info_per_layer_shows_the_width_schedule(capsys):
+    code, out, err = run_cli(capsys, "info", "--preset", "124m", "--set", "model.width=variable", "--per-layer",
+                             "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    widths = [r["width"] for r in got["this config"]["layers"]]
+    assert widths[0] == widths[-1] > min(widths) and len(set(r["width"] for r in got["baseline"]["layers"])) == 1
+    assert sum(r["kv_bytes_per_token"] for r in got["this config"]["layers"]) == got["this config"]["kv_bytes_per_token"]
+    assert got["this config"]["kv_bytes_per_token"] < got["baseline"]["kv_bytes_per_token"]

@@ -108,7 +108,7 @@ def cmd_info(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from archlab.model.accounting import costs
+    from archlab.model.accounting import costs, per_layer
     from archlab.model.config import ModelConfig
 
     columns = [("this config", cfg.model)]
@@ -119,8 +119,13 @@ def cmd_info(args) -> int:
         columns.append(("baseline", base.validate()))
     ctx = args.context or cfg.train.seq_len
     rows = [costs(m, ctx, args.batch, args.dtype_bytes) for _, m in columns]
+    layers = [per_layer(m, ctx, args.dtype_bytes) for _, m in columns]
     if args.json:
-        print(json.dumps({name: r for (name, _), r in zip(columns, rows)}, indent=1))
+        out = {name: r for (name, _), r in zip(columns, rows)}
+        if args.per_layer:
+            for (name, _), layer_rows in zip(columns, layers):
+                out[name]["layers"] = layer_rows
+        print(json.dumps(out, indent=1))
         return 0
     table = Table(title=f"costs at context {ctx}, batch {args.batch}, {args.dtype_bytes}-byte weights/KV")
     table.add_column("")
@@ -138,7 +143,19 @@ def cmd_info(args) -> int:
         if len(columns) > 1:
             cells.append(f"{vals[0] / vals[1]:.3f}x" if vals[1] else "-")
         table.add_row(label, *cells)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if args.per_layer:
+        for (name, _), layer_rows in zip(columns, layers):
+            t = Table(title=f"per layer, {name} (FLOPs and KV bytes per token at context {ctx})")
+            for col in ("layer", "width", "heads/kv x dim", "parameters", "prefill FLOPs", "decode FLOPs",
+                        "KV bytes"):
+                t.add_column(col, justify="right")
+            for r in layer_rows:
+                t.add_row(str(r["layer"]), str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
+                          f"{r['params']:,}", f"{r['prefill_flops_per_token']:,.0f}",
+                          f"{r['decode_flops_per_token']:,.0f}", f"{r['kv_bytes_per_token']:,}")
+            console.print(t)
     return 0
 
 
@@ -236,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype-bytes", type=positive_int, default=2,
                    help="bytes per weight and KV-cache element: 2 for bf16/fp16, 4 for fp32, 1 for 8-bit "
                         "(default 2)")
+    i.add_argument("--per-layer", action="store_true",
+                   help="also show every layer's width, heads, parameters, FLOPs and KV bytes (per-layer "
+                        "schedules: Prism heads, variable width)")
     i.add_argument("--json", action="store_true", help="print the costs as JSON instead of a table")
     i.set_defaults(func=cmd_info)
 
