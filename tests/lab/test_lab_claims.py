@@ -17,7 +17,8 @@ from rich.console import Console
 from archlab.lab.claims import STALE_AFTER_S, Owner, process_started
 from archlab.lab.plan import build_plan
 from archlab.lab.report import collect, overview
-from archlab.lab.runner import plan_table, run_suite
+from archlab.lab.display import plan_table
+from archlab.lab.runner import run_suite
 from archlab.lab.store import DB_NAME, ResultStore, display_status
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import FakeTrainer, fake_costs, write_suite

@@ -16,7 +16,8 @@ from archlab.errors import DataError
 from archlab.lab.cli import run_compare
 from archlab.lab.plan import build_plan
 from archlab.lab.report import collect, downstream_table, print_report, results_table, write_report
-from archlab.lab.runner import RUNS_DIR, run_suite
+from archlab.lab.display import RUNS_DIR
+from archlab.lab.runner import run_suite
 from archlab.lab.store import DB_NAME, SCHEMA_VERSION, ResultStore
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import (DOWNSTREAM_EVAL, SUITE_YAML, FakeEval, FakeTrainer, fake_costs, write_suite,
@@ -288,7 +289,7 @@ eval: {{batches: 2, last_k: 1, tasks: 'piqa,lambada', task_dir: tasks, limit: 4}
 
 
 def test_dry_run_names_the_downstream_tasks(tmp_path: Path) -> None:
-    from archlab.lab.runner import plan_table
+    from archlab.lab.display import plan_table
 
     plan = plan_for(tmp_path)
     _, summary = plan_table(plan, list(plan.runs), {})

@@ -11,7 +11,8 @@ from rich.console import Console
 from archlab.lab.cli import run_compare
 from archlab.lab.plan import build_plan
 from archlab.lab.report import collect
-from archlab.lab.runner import RUNS_DIR, run_suite
+from archlab.lab.display import RUNS_DIR
+from archlab.lab.runner import run_suite
 from archlab.lab.store import DB_NAME, ResultStore
 from archlab.lab.suite import load_suite
 from archlab.train.trainer import train

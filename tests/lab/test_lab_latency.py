@@ -19,7 +19,8 @@ from archlab.lab.cli import run_compare
 from archlab.lab.latency import DECODE_MARGIN, MIN_STEPS, fit_decode, shapes_for
 from archlab.lab.plan import build_plan
 from archlab.lab.report import LATENCY_FIGURE, collect, costs_table, write_report
-from archlab.lab.runner import RUNS_DIR, _job, plan_table, run_suite
+from archlab.lab.display import RUNS_DIR, plan_table
+from archlab.lab.runner import _job, run_suite
 from archlab.lab.store import DB_NAME, LATENCY_KEY, SCHEMA_VERSION, LatencyRow, ResultStore
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import MEASURE_COSTS, SUITE_YAML, FakeMeasure, FakeTrainer, fake_costs, write_suite

@@ -14,7 +14,8 @@ from rich.console import Console
 
 from archlab.lab.plan import build_plan
 from archlab.lab.report import FIGURES, collect, print_report, write_report
-from archlab.lab.runner import RUNS_DIR, run_suite
+from archlab.lab.display import RUNS_DIR
+from archlab.lab.runner import run_suite
 from archlab.lab.store import DB_NAME, ResultStore
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import SUITE_YAML, FakeTrainer, fake_costs, write_suite

@@ -17,7 +17,8 @@ from rich.console import Console
 from archlab.errors import ArchlabError, ConfigError
 from archlab.lab.cli import run_compare
 from archlab.lab.plan import build_plan
-from archlab.lab.runner import RUNS_DIR, plan_table, run_suite, suite_lock
+from archlab.lab.display import RUNS_DIR, plan_table
+from archlab.lab.runner import run_suite, suite_lock
 from archlab.lab.store import DB_NAME, ResultStore
 from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import SUITE_YAML, FakePrepare, FakeTrainer, fake_costs, write_suite
@@ -268,7 +269,7 @@ def test_recipe_data_is_prepared_from_the_recipe(tmp_path: Path, monkeypatch: py
 
 def _eta_shown(progress) -> str:
     """What the suite's bar shows in its ETA column right now."""
-    from archlab.lab.runner import EtaColumn
+    from archlab.lab.display import EtaColumn
 
     column = next(c for c in progress.columns if isinstance(c, EtaColumn))
     task = next(t for t in progress.tasks if "eta" in t.fields)
@@ -279,7 +280,7 @@ def test_suite_eta_from_tokens_left_and_rates(tmp_path: Path) -> None:
     """The suite's ETA is the tokens still to train over the expected rates: the suite's
     estimate before anything is measured, shared by the runs trained at once; measured rates
     once runs finish; a resumed run counts only what it has left."""
-    from archlab.lab.runner import SuiteEta
+    from archlab.lab.display import SuiteEta
 
     suite_file = write_suite(tmp_path)
     suite_file.write_text(suite_file.read_text() + "estimate: {tokens_per_s: 2048}\n")

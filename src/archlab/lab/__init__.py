@@ -5,6 +5,7 @@ Layers, each usable on its own:
 * ``suite``  - suite YAML files (built-in ones in ``archlab/suites/``) -> ``Suite``
 * ``plan``   - a ``Suite`` -> every run's validated config, budget, costs and run id
 * ``runner`` - train what is missing, resume what was interrupted, record results
+* ``display`` - the progress display while a suite runs, and the ``--dry-run`` plan table
 * ``store``  - the SQLite results database (one row per run, and the claims of runs in progress)
 * ``claims`` - which process trains a run and whether it still exists; workers die with their parent
 * ``latency`` - measured prefill/decode latency of each variant on the inference engine, after training

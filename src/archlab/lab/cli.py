@@ -64,7 +64,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 def _start_over(out: Path, force: bool, console: Console) -> None:
     """``--no-resume``: move results and run directories to ``archive/<time>/`` (never delete:
     finished measurements are the expensive part)."""
-    from archlab.lab.runner import RUNS_DIR
+    from archlab.lab.display import RUNS_DIR
     from archlab.lab.store import DB_NAME
 
     present = [p for p in (out / DB_NAME, out / RUNS_DIR) if p.exists()]
@@ -92,7 +92,8 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from archlab.lab.fmt import plural
     from archlab.lab.plan import build_plan, select
     from archlab.lab.report import print_report, write_report
-    from archlab.lab.runner import plan_table, run_suite, suite_lock
+    from archlab.lab.display import plan_table
+    from archlab.lab.runner import run_suite, suite_lock
     from archlab.lab.store import DB_NAME, ResultStore
     from archlab.lab.suite import load_suite
 

@@ -259,7 +259,7 @@ class Latency:
                 pass
 
     def _measure(self, w: _Work, session: str, revision: str) -> bool:
-        from archlab.lab.runner import RUNS_DIR
+        from archlab.lab.display import RUNS_DIR
 
         errors = []
         for run in w.candidates:
