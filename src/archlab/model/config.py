@@ -35,6 +35,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    #: a learned per-head "sink" logit in every attention softmax: one more key whose value is 0
+    #: (gpt-oss style); gamma-init's companion setting. Off: SDPA's flash kernels stay usable.
+    attn_sinks: bool = False
     # ---- the kind of each slot (see archlab.model.registry; `archlab config --list` lists them)
     heads: str = "uniform"
     width: str = "uniform"

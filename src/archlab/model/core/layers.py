@@ -136,8 +136,32 @@ class RoPE(nn.Module):
 
 
 # ---- attention -----------------------------------------------------------------------------------
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-    """Scaled dot-product attention with grouped-query heads (k/v may have fewer heads)."""
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
+         sink: Tensor | None = None) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads (k/v may have fewer heads).
+
+    ``sink`` [H]: one more key per head, its logit ``sink[h]`` and its value zero: the softmax
+    can put weight on "nothing" (attention sinks). Realised as a zero key and value prepended to
+    ``k``/``v`` (a zero key scores exactly 0) and a float mask that adds ``sink[h]`` to that score
+    and ``-inf`` where ``mask``/``causal`` forbid.
+    """
+    if sink is not None:
+        t, s = q.shape[2], k.shape[2]
+        if mask is None:  # causal over the run's own keys (aligned to the last query)
+            allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if causal else None
+        else:
+            allowed = mask
+        zeros = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+        k, v = torch.cat([zeros, k], dim=2), torch.cat([zeros, v], dim=2)
+        bias = torch.zeros(*((allowed.shape[:-1]) if allowed is not None else (t,)), s, device=q.device,
+                           dtype=q.dtype)
+        if allowed is not None:
+            bias = bias.masked_fill(~allowed, float("-inf"))
+        while bias.dim() < 4:
+            bias = bias[None]
+        sink_col = sink.to(q.dtype).view(1, -1, 1, 1).expand(bias.shape[0], -1, bias.shape[2], 1)
+        mask = torch.cat([sink_col, bias.expand(bias.shape[0], sink.shape[0], *bias.shape[2:])], dim=-1)
+        causal = False
     if k.shape[1] != q.shape[1]:
         if _SDPA_HAS_GQA:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
@@ -192,15 +216,21 @@ class Attention(nn.Module):
         # query rows (they compute no keys/values).
         self.wqkv = nn.Linear(spec.d, self.q_dim + 2 * self.kv_dim, bias=False)
         self.wo = nn.Linear(self.q_dim, spec.d, bias=False)
+        # 1-D, so weight decay skips it like the norms' gains
+        self.sink = nn.Parameter(torch.zeros(spec.n_heads)) if spec.sinks else None
 
     def init_parameters(self, init: "Init") -> None:
         init.linear(self.wqkv.weight, role="in")
         init.linear(self.wo.weight, role="out")
+        if self.sink is not None:
+            with torch.no_grad():
+                self.sink.zero_()  # one extra logit of 0: the sink starts as a plain extra key
 
     @classmethod
     def cost(cls, cfg: "ModelConfig", spec: "LayerSpec") -> Cost:
         params = spec.d * (2 * spec.q_dim + 2 * spec.kv_dim)
-        return Cost(params=params, flops=2 * params, flops_follower=2 * (params - 2 * spec.d * spec.kv_dim),
+        return Cost(params=params + (spec.n_heads if spec.sinks else 0), flops=2 * params,
+                    flops_follower=2 * (params - 2 * spec.d * spec.kv_dim),
                     score_flops_per_key=4 * spec.q_dim, kv_elems=2 * spec.kv_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
@@ -243,11 +273,11 @@ class Attention(nn.Module):
             # is the same lower-triangular mask as the primary's own.
             parts = []
             if lead:
-                parts.append(sdpa(q[:lead], k, v, causal=True))
+                parts.append(sdpa(q[:lead], k, v, causal=True, sink=self.sink))
             if q.shape[0] > lead:
                 reps = (q.shape[0] - lead) // batch
                 kf, vf = (k, v) if reps == 1 else (k.repeat(reps, 1, 1, 1), v.repeat(reps, 1, 1, 1))
-                parts.append(sdpa(q[lead:], kf, vf, causal=True))
+                parts.append(sdpa(q[lead:], kf, vf, causal=True, sink=self.sink))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         # Cached: fold follower rows into the query-time axis so that every row of a sequence
         # reads that sequence's cache once, in one attention call with the primary rows.
@@ -256,7 +286,7 @@ class Attention(nn.Module):
             # Grouped decode: the rows of a sequence become its queries by a view alone (no copy),
             # and the sequence's one-query mask broadcasts over them.
             g, h, hd = 1 + reps, q.shape[1], q.shape[3]
-            o = sdpa(q.view(g, batch, h, hd).permute(1, 2, 0, 3), k, v, mask=ctx.mask)  # [B, H, g, hd]
+            o = sdpa(q.view(g, batch, h, hd).permute(1, 2, 0, 3), k, v, mask=ctx.mask, sink=self.sink)
             return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
         folded = []
         if lead:
@@ -266,7 +296,7 @@ class Attention(nn.Module):
             folded.append(qf.reshape(batch, q.shape[1], reps * t, q.shape[3]))
         q_all = torch.cat(folded, dim=2) if len(folded) > 1 else folded[0]
         n = q_all.shape[2] // t
-        o = sdpa(q_all, k, v, mask=ctx.mask.repeat(1, 1, n, 1) if n > 1 else ctx.mask)
+        o = sdpa(q_all, k, v, mask=ctx.mask.repeat(1, 1, n, 1) if n > 1 else ctx.mask, sink=self.sink)
         out = []
         if lead:
             out.append(o[:, :, :t])

@@ -28,6 +28,7 @@ class LayerSpec:
     n_kv_heads: int
     head_dim: int
     hidden: int  # the dense FFN hidden size at this width
+    sinks: bool = False  # attention with a learned per-head sink logit (model.attn_sinks)
 
     @property
     def q_dim(self) -> int:
@@ -101,7 +102,8 @@ def layer_specs(cfg: "ModelConfig") -> list[LayerSpec]:
     specs = []
     for layer, d in enumerate(width.widths()):
         h, kvh, hd = width.heads(*heads.heads(layer, d), d)
-        specs.append(LayerSpec(layer=layer, d=d, n_heads=h, n_kv_heads=kvh, head_dim=hd, hidden=width.hidden(d)))
+        specs.append(LayerSpec(layer=layer, d=d, n_heads=h, n_kv_heads=kvh, head_dim=hd, hidden=width.hidden(d),
+                               sinks=cfg.attn_sinks))
     return specs
 
 

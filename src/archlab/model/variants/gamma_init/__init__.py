@@ -3,8 +3,8 @@
 ``model.init: gamma`` with options ``model.gamma_init.*``: every weight drawn from
 ``N(0, d_in^(-2 gamma))`` where ``d_in`` is the fan-in the component states. ``gamma = 0.5`` is the
 usual fan-in scale; larger is smaller. Code in ``module``. The paper's companion settings: RMSNorm
-eps 1e-12 (the core option ``model.norm_eps``, set in ``configs/zoo/gamma_init.yaml``) and
-attention sinks (not available: they need a core hook, see ``docs/zoo.md``).
+eps 1e-12 (the core option ``model.norm_eps``) and attention sinks (the core option
+``model.attn_sinks``), both set in ``configs/zoo/gamma_init.yaml``.
 """
 
 from __future__ import annotations
