@@ -11,6 +11,7 @@ Layers, each usable on its own:
 * ``latency`` - measured prefill/decode latency of each variant on the inference engine, after training
 * ``stats``  - noise floor, Welch's t, confidence intervals, Bonferroni verdicts
 * ``report`` - report.md / report.html / console table, from the database alone
+* ``figures`` - the report's plots
 * ``cli``    - the ``compare`` and ``report`` commands
 
 Submodules are imported on use: the report pulls in matplotlib and scipy, which the rest of

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from archlab.lab.store import LatencyRow
 
 
 def si(x: float | None, unit: str = "") -> str:
@@ -32,3 +37,24 @@ def clock(seconds: float) -> str:
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``1, 'seed' -> '1 seed'``, ``3, 'seed' -> '3 seeds'`` (``nouns``: an irregular plural)."""
     return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+_CPU_DEVICE = re.compile(r"^cpu \((?P<arch>[^,()]+), (?P<threads>\d+) threads?\)$")
+
+
+def device_text(device: str) -> str:
+    """A trainer's device name as a person reads it: ``cpu (x86_64, 2 threads)`` (torch's CPU
+    threads per run) becomes ``cpu (x86_64), 2 threads``, pluralised; GPU names as they are."""
+    m = _CPU_DEVICE.match(device)
+    if m is None:
+        return device
+    return f"cpu ({m['arch']}), {plural(int(m['threads']), 'thread')} per run"
+
+
+def latency_device_text(row: "LatencyRow") -> str:
+    """Where and how a latency was timed: ``NVIDIA H200, bfloat16, CUDA events`` or
+    ``cpu (x86_64), 2 threads, float32, CPU wall clock``."""
+    m = _CPU_DEVICE.match(row.device)
+    device = row.device if m is None else f"cpu ({m['arch']}), {plural(int(m['threads']), 'thread')}"
+    timer = "CUDA events" if row.timer == "cuda-events" else "CPU wall clock"
+    return f"{device}, {row.dtype}, {timer}"
