@@ -119,11 +119,21 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served, kwargs, error
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).choices[0].text is not None
 
 
-def test_malformed_json_is_400(served):
+@pytest.mark.parametrize("body,words", [
+    (b"{not json", "not valid JSON"),
+    (b'{"prompt": "x"}', "model is required"),
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": 2.5}', "max_tokens must be an integer"),
+    (b'{"model": "tiny", "prompt": [1, -2]}', "outside the vocabulary"),
+    (b'{"model": "tiny", "prompt": "x", "stream": "yes"}', "stream must be"),
+    (b'{"model": "tiny", "prompt": "x", "stream": true, "stream_options": 3}', "stream_options"),
+    (b'{"model": "tiny", "prompt": "x", "stop": [""]}', "stop must be"),
+    (b'[1, 2]', "JSON object"),
+])
+def test_malformed_requests_are_400_with_one_message(served, body, words):
     port = served[-1]
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{not json",
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=body,
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 def test_a_dropped_client_frees_its_slot(served):

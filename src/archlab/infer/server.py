@@ -106,6 +106,8 @@ def parse_completion(body: Any, model_name: str, tokenizer, eos: int | None) -> 
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model is required: the id of a model from /v1/models", "model")
     if model != model_name:
         raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model", 404,
                          "model_not_found")
@@ -161,6 +163,9 @@ def parse_completion(body: Any, model_name: str, tokenizer, eos: int | None) -> 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest("stream_options must be an object like {\"include_usage\": true}", "stream_options")
     return ids, params, stops, stream
 
 

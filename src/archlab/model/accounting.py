@@ -69,37 +69,39 @@ def followers(cfg: ModelConfig) -> int:
     return registry.followers(cfg)
 
 
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    ps = [p.cost for p in parts(cfg)]
+def param_counts(cfg: ModelConfig, ps: list[Part] | None = None) -> dict[str, int]:
+    cs = [p.cost for p in (ps or parts(cfg))]
     return {
-        "params_total": sum(c.params for c in ps),
-        "params_embedding": sum(c.embedding for c in ps),
+        "params_total": sum(c.params for c in cs),
+        "params_embedding": sum(c.embedding for c in cs),
         # What a primary row touches: every weight but unused experts and follower-only tensors.
-        "params_active": sum(c.active_params - c.follower_only for c in ps),
-        "params_branch_extra": sum(c.follower_only for c in ps),
+        "params_active": sum(c.active_params - c.follower_only for c in cs),
+        "params_branch_extra": sum(c.follower_only for c in cs),
     }
 
 
-def _row_flops(cfg: ModelConfig, keys: float, follower: bool) -> float:
-    return sum(p.cost.row_flops(keys, follower) for p in parts(cfg))
+# ``ps``: the config's parts when the caller has them already (``costs`` lists them once).
+def _row_flops(ps: list[Part], keys: float, follower: bool) -> float:
+    return sum(p.cost.row_flops(keys, follower) for p in ps)
 
 
-def _all_rows_flops(cfg: ModelConfig, keys: float) -> float:
-    return _row_flops(cfg, keys, False) + followers(cfg) * _row_flops(cfg, keys, True)
+def _all_rows_flops(cfg: ModelConfig, keys: float, ps: list[Part] | None = None) -> float:
+    ps = ps or parts(cfg)
+    return _row_flops(ps, keys, False) + followers(cfg) * _row_flops(ps, keys, True)
 
 
-def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
+def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int, ps: list[Part] | None = None) -> float:
     """Mean forward FLOPs per prompt token (primary rows only: followers do not run in prefill)."""
-    return _row_flops(cfg, (prompt_len + 1) / 2, False)
+    return _row_flops(ps or parts(cfg), (prompt_len + 1) / 2, False)
 
 
-def decode_flops_per_token(cfg: ModelConfig, context: int) -> float:
+def decode_flops_per_token(cfg: ModelConfig, context: int, ps: list[Part] | None = None) -> float:
     """FLOPs to produce one new token at ``context`` keys: the primary row plus follower rows."""
-    return _all_rows_flops(cfg, context)
+    return _all_rows_flops(cfg, context, ps)
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2)
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, ps: list[Part] | None = None) -> float:
+    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2, ps)
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -107,25 +109,27 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3 * _all_rows_flops(cfg, seq_len)  # non-causal attention, as the convention counts it
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
-    return sum(p.cost.kv_elems for p in parts(cfg)) * dtype_bytes
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2, ps: list[Part] | None = None) -> int:
+    return sum(p.cost.kv_elems for p in (ps or parts(cfg))) * dtype_bytes
 
 
-def decode_bytes_per_step(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> float:
+def decode_bytes_per_step(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2,
+                          ps: list[Part] | None = None) -> float:
     """Bytes read (and KV written) by one decode step of ``batch`` sequences at ``context``."""
-    weights = sum(p.cost.params_read_by_decode(batch) for p in parts(cfg))
+    ps = ps or parts(cfg)
+    weights = sum(p.cost.params_read_by_decode(batch) for p in ps)
     embed_rows = batch * (1 + followers(cfg)) * base_width(cfg)
-    kv = kv_bytes_per_token(cfg, dtype_bytes)
+    kv = kv_bytes_per_token(cfg, dtype_bytes, ps)
     return (weights + embed_rows) * dtype_bytes + batch * context * kv + batch * kv
 
 
 def per_layer(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> list[dict[str, Any]]:
     """Per layer: width, heads, parameters, prefill/decode FLOPs per token and KV bytes per token."""
-    specs = layer_specs(cfg)
+    ps = parts(cfg)
     rows = []
     nf = followers(cfg)
-    for s in specs:
-        layer = [p.cost for p in parts(cfg) if p.layer == s.layer]
+    for s in layer_specs(cfg):
+        layer = [p.cost for p in ps if p.layer == s.layer]
         prefill = sum(c.row_flops((context + 1) / 2) for c in layer)
         decode = sum(c.row_flops(context) + nf * c.row_flops(context, True) for c in layer)
         rows.append({"layer": s.layer, "width": s.d, "heads": s.n_heads, "kv_heads": s.n_kv_heads,
@@ -137,13 +141,14 @@ def per_layer(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> list[dict
 
 def costs(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:
     """Every cost column of the methodology, for one config at one context length."""
-    out: dict[str, Any] = dict(param_counts(cfg))
+    ps = parts(cfg)
+    out: dict[str, Any] = dict(param_counts(cfg, ps))
     out.update(
-        train_flops_per_token=train_flops_per_token(cfg, context),
-        prefill_flops_per_token=prefill_flops_per_token(cfg, context),
-        decode_flops_per_token=decode_flops_per_token(cfg, context),
-        kv_bytes_per_token=kv_bytes_per_token(cfg, dtype_bytes),
-        decode_bytes_per_step=decode_bytes_per_step(cfg, context, batch, dtype_bytes),
+        train_flops_per_token=train_flops_per_token(cfg, context, ps),
+        prefill_flops_per_token=prefill_flops_per_token(cfg, context, ps),
+        decode_flops_per_token=decode_flops_per_token(cfg, context, ps),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, dtype_bytes, ps),
+        decode_bytes_per_step=decode_bytes_per_step(cfg, context, batch, dtype_bytes, ps),
         context=context,
         batch=batch,
         dtype_bytes=dtype_bytes,

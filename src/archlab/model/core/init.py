@@ -19,6 +19,7 @@ Draw order matters for reproducibility: the model initialises its components in 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,11 +29,12 @@ if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
 
 
-class Init:
+class Init(ABC):
     """Base of the init kinds: ``weight`` draws one tensor; ``linear`` is a weight [out, in]."""
 
-    def weight(self, w: Tensor, fan_in: int, role: str) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def weight(self, w: Tensor, fan_in: int, role: str) -> None:
+        """Draw ``w`` in place for a weight of ``role`` whose rows read ``fan_in`` inputs."""
 
     def linear(self, w: Tensor, role: str) -> None:
         self.weight(w, w.shape[-1], role)
