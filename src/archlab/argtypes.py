@@ -76,3 +76,14 @@ open_unit_float.__name__ = "open_unit_float"
 non_negative_float = float_in(0.0)
 """A finite number >= 0: a temperature (0 = greedy), a size in MB (0 = no limit)."""
 non_negative_float.__name__ = "non_negative_float"
+
+
+def config_args(p: argparse.ArgumentParser, what: str = "") -> None:
+    """``--preset``, ``--config`` and ``--set``: how every command that builds a config reads it
+    (``archlab.config.make_config(args.preset, args.config, args.overrides)``)."""
+    p.add_argument("--preset", default="tiny",
+                   help=f"named preset{what}: tiny, 20m, 124m, 350m, 1b (default tiny)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML config file(s) applied over the preset, in order")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override one key, e.g. --set model.n_layers=8 (repeatable)")

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from archlab.argtypes import int_at_least, positive_int
+from archlab.argtypes import config_args, int_at_least, positive_int
 from archlab.errors import ArchlabError, DataError, UsageError
 
 
@@ -20,14 +20,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401
         self.exit(2, f"archlab: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help="named preset: tiny, 20m, 124m, 350m, 1b (default tiny)")
-    p.add_argument("--config", action="append", default=[], metavar="FILE",
-                   help="YAML config file(s) applied over the preset, in order")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                   help="override one key, e.g. --set model.n_layers=8 (repeatable)")
 
 
 def _load_cfg(args):
@@ -208,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model on data prepared by `archlab data prepare` (run it first; the "
                     "config's data.path names the directory, data/stdlib by default). Checkpoints go "
                     "to RUN_DIR/ckpt; run the same command again to continue an interrupted run.")
-    _config_args(t)
+    config_args(t)
     t.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/<preset>)")
     t.add_argument("--resume", choices=["auto", "never"], default="auto",
                    help="auto: continue from the run directory's latest checkpoint (default); never: "
@@ -245,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(func=cmd_import_hf)
 
     i = sub.add_parser("info", help="parameters, FLOPs and KV bytes of a config")
-    _config_args(i)
+    config_args(i)
     i.add_argument("--context", type=int_at_least(0, "0 = train.seq_len"), default=0,
                    help="context length the costs are computed at (default: train.seq_len)")
     i.add_argument("--batch", type=positive_int, default=1,
@@ -260,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     c = sub.add_parser("config", help="print the resolved config as YAML, or list every key (--list)")
-    _config_args(c)
+    config_args(c)
     c.add_argument("--list", action="store_true",
                    help="list every config key with its type and default, and the kinds of every slot")
     c.set_defaults(func=cmd_config)

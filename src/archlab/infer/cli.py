@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from archlab.argtypes import int_at_least, non_negative_float, non_negative_int, positive_int, unit_float
+from archlab.argtypes import config_args, int_at_least, non_negative_float, non_negative_int, positive_int, unit_float
 from archlab.errors import UsageError
 
 
@@ -168,10 +168,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="measure prefill and decode latency of a checkpoint or preset on the engine")
     b.add_argument("what", choices=["prefill", "decode", "all"], help="which phase to measure")
     b.add_argument("--ckpt", help="run directory or checkpoint directory (default: a randomly initialised --preset)")
-    b.add_argument("--preset", default="tiny", help="named preset when no --ckpt: tiny, 20m, 124m, 350m, 1b")
-    b.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML config(s) over the preset")
-    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                   help="override one config key of the preset (repeatable)")
+    config_args(b, " when no --ckpt (randomly initialised)")
     b.add_argument("--prompt", type=positive_int, default=2048, help="prefill prompt length in tokens (default 2048)")
     b.add_argument("--context", type=positive_int, default=1024, help="tokens in the cache while decoding (default 1024)")
     b.add_argument("--batches", type=positive_int_list, default=[1, 8], help="decode batch sizes, comma-separated (default 1,8)")
