@@ -10,6 +10,9 @@ otherwise (the eager reference routing). ``/graph`` replays the step as one CUDA
 (``train.cuda_graph``); suffixes combine (``attnres-triton/graph/mb4``). Warm-up must cover the
 graph's three ordinary steps and its capture, so use ``--warmup`` of at least 5 with ``/graph``.
 
+``zoo-NAME`` runs the shipped ``configs/zoo/NAME.yaml`` over the preset (``zoo-prism``,
+``zoo-triplu``, ``zoo-variable_width``, ``zoo-gamma_init``, ``zoo-layerrope``, ...).
+
 ``--profile VARIANT`` also profiles three steps of that variant with torch.profiler and prints
 where the GPU time goes by kernel category and how much of the step the GPU is busy at all (the
 rest is host and launch time).
@@ -58,6 +61,11 @@ VARIANTS = {
 for _name in ("attnres-triton", "mhar4-triton"):
     VARIANTS[f"{_name}-fp32src"] = [*VARIANTS[_name], "model.residual.source_dtype=float32"]
     VARIANTS[f"{_name}-bf16grad"] = [*VARIANTS[_name], "model.residual.grad_dtype=bfloat16"]
+
+# The zoo options exactly as users run them: each ``configs/zoo/NAME.yaml`` is a variant
+# ``zoo/NAME`` (its YAML is layered over the preset, so the benchmark cannot drift from the file).
+ZOO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "zoo")
+ZOO = {f"zoo-{f[:-5]}": os.path.join(ZOO_DIR, f) for f in sorted(os.listdir(ZOO_DIR)) if f.endswith(".yaml")}
 
 
 # Kernel-name fragments -> category, first match wins (names as the CUDA profiler reports them).
@@ -115,8 +123,8 @@ def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compi
         raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph")
     micro4 = "mb4" in mods
     overrides = [f"data.path={data}", "train.device=cuda", f"train.compile={str(compile_).lower()}",
-                 *VARIANTS[name], *(["train.cuda_graph=true"] if "graph" in mods else []), *extra]
-    cfg = make_config(preset, overrides=overrides)
+                 *VARIANTS.get(name, []), *(["train.cuda_graph=true"] if "graph" in mods else []), *extra]
+    cfg = make_config(preset, files=[ZOO[name]] if name in ZOO else [], overrides=overrides)
     if micro4:
         if cfg.train.batch_size % 4:
             raise ValueError(f"/mb4 needs a batch size divisible by 4, got {cfg.train.batch_size}")
@@ -170,6 +178,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("train_throughput: no CUDA device; nothing to measure")
         return
+    known = {**VARIANTS, **ZOO}
+    for variant in args.variants.split(","):
+        if variant.split("/")[0] not in known:
+            ap.error(f"unknown variant {variant!r}; known: {', '.join(known)}")
     rows = []
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
