@@ -71,3 +71,24 @@ def test_sinks_train():
     x = torch.randint(0, 97, (2, 12))
     model(x[:, :-1], x[:, 1:]).loss.backward()
     assert all(blk.attn.sink.grad is not None and blk.attn.sink.grad.abs().sum() > 0 for blk in model.layers)
+
+
+@pytest.mark.parametrize("kv_heads,d", [(4, 8), (2, 12)])
+def test_causal_sinks_keep_the_fused_path_and_its_gradients_exact(kv_heads, d):
+    """The causal no-mask case (training, prefill) takes the augmented-key path: values and the
+    gradients of q, k, v and the sink logits equal the float64 reference."""
+    torch.manual_seed(3)
+    b, h, t = 2, 4, 7
+    q = torch.randn(b, h, t, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv_heads, t, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, t, d, dtype=torch.float64, requires_grad=True)
+    sink = (torch.randn(h, dtype=torch.float64) * 2).requires_grad_()
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    got = sdpa(q, k, v, causal=True, sink=sink)
+    want = reference(q, k, v, sink, allowed)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    grad_out = torch.randn_like(got)
+    g_got = torch.autograd.grad(got, (q, k, v, sink), grad_out)
+    g_want = torch.autograd.grad(want, (q, k, v, sink), grad_out)
+    for a, e in zip(g_got, g_want):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10)
