@@ -85,7 +85,7 @@ def main() -> None:
     model = build_model(cfg).to("cuda", torch.bfloat16).eval()
     engine = Engine(model, slots=args.clients)
     t = time.perf_counter()
-    engine.warm_up(buckets=(16,))
+    engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
     print(json.dumps({"warm_up_s": time.perf_counter() - t}), flush=True)
     loop = EngineLoop(engine).start()
     with socket.socket() as s:

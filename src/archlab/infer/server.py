@@ -296,7 +296,9 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 16,
     model, tokenizer, eos, name = load_for_inference(ckpt, device, dtype)
     engine = Engine(model, slots=slots)
     if warm_up:
-        engine.warm_up()
+        # Short prompts for every group size that requests can arrive in; longer buckets compile
+        # on first use.
+        engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
     loop = EngineLoop(engine).start()
     try:
         uvicorn.run(create_app(loop, tokenizer, model_name or name, eos), host=host, port=port, log_level="warning")
