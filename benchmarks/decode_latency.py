@@ -9,6 +9,11 @@ vectors are random, as trained ones are non-zero). Each row runs through ``archl
 and a decode step captured as a CUDA graph. The roofline of a decode step is
 ``accounting.decode_bytes_per_step / measured copy bandwidth``; prefill is reported as MFU against
 the detected device's peak. Prints a Markdown table and one JSON object per row.
+
+``--profile`` also profiles 20 batch-1 decode steps of each model (the step body the graph
+captures, run uncaptured so the profiler sees every kernel) and prints, per model, the kernels
+per step, the GPU-busy time per step and the kernels that take it, so the branch's extra cost can
+be attributed.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from archlab.config import make_config  # noqa: E402
-from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth  # noqa: E402
+from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth, prompt_tokens  # noqa: E402
+from archlab.infer.engine import Engine  # noqa: E402
+from archlab.infer.sampling import SamplingParams  # noqa: E402
 from archlab.model import build_model  # noqa: E402
 
 
@@ -42,6 +49,26 @@ def models(preset: str, max_len: int, extra: list[str]):
     return base.to(dev, torch.bfloat16).eval(), branch.to(dev, torch.bfloat16).eval()
 
 
+def profile_decode(model, context: int, steps: int = 20) -> dict:
+    """GPU kernels of ``steps`` batch-1 decode steps: count, busy ms and the top kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = Engine(model, slots=1, max_len=context + 2 * steps + 16)
+    eng.prefill([0], [prompt_tokens(context, model.cfg.vocab_size)], [SamplingParams(max_new_tokens=2 * steps)])
+    for _ in range(3):  # compiled before profiling
+        eng._step_body(True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng._step_body(True)
+        torch.cuda.synchronize()
+    kernels = [(e.self_device_time_total / 1e3 / steps, e.count / steps, e.key[:80])
+               for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.self_device_time_total > 0]
+    return {"kernels_per_step": sum(k[1] for k in kernels), "gpu_busy_ms": sum(k[0] for k in kernels),
+            "top": sorted(kernels, reverse=True)[:12]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="124m,1b")
@@ -51,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--set", action="append", default=[], dest="extra", help="config override for both models")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode of both models")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_latency: no CUDA device; nothing to measure")
@@ -78,6 +106,13 @@ def main() -> None:
                      "ratio": dec["branch"].ms_per_step / dec["baseline"].ms_per_step}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
+            if args.profile:
+                for name, m in (("baseline", base), ("branch", branch)):
+                    prof = profile_decode(m, args.context)
+                    print(f"\nprofile {preset} {name} decode b1: {prof['kernels_per_step']:.0f} kernels/step, "
+                          f"GPU busy {prof['gpu_busy_ms']:.3f} ms/step")
+                    for ms, count, key in prof["top"]:
+                        print(f"  {ms:7.4f} ms  x{count:4.1f}  {key}")
             del base, branch
             torch.cuda.empty_cache()
     print("\n| preset | phase | shape | baseline ms | decode-branch ms | ratio | roofline (baseline / branch) |")
