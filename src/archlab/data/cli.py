@@ -67,7 +67,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--vocab-size", type=int_at_least(MIN_VOCAB_SIZE, "256 bytes + <|endoftext|>"), default=4096,
                    help=f"BPE vocabulary size, at least {MIN_VOCAB_SIZE} (default: 4096)")
     p.add_argument("--val-frac", type=open_unit_float, default=0.02,
-                   help="fraction of documents held out for validation (default: 0.02)")
+                   help="fraction of the text held out for validation (default: 0.02); documents "
+                        "are cut into chunks of about 4 KB at blank lines first, so a few large files "
+                        "or a single file split too; the realised fraction is printed, and one more "
+                        "than 2x away from this is an error")
     p.add_argument("--max-mb", type=non_negative_float, default=None,
                    help=f"use only the first MB (10^6 bytes) of text; default "
                         f"{STDLIB_DEFAULT_MAX_BYTES // 10**6} for stdlib, everything otherwise; 0 = no "
@@ -133,6 +136,7 @@ def run_prepare(args: argparse.Namespace) -> int:
                            seed=args.seed, shard_tokens=args.shard_tokens, split=args.split,
                            overwrite=args.overwrite, progress=report, encoding=args.encoding)
     _warn_replaced(manifest)
+    _warn_split(manifest)
     console = Console()
     print_summary(console, Path(out), manifest)
     console.print(f"prepared {out} in {manifest['prepare_seconds']:.1f} s")
@@ -157,6 +161,7 @@ def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Con
         manifest = prepare(source, out, vocab_size=args.vocab_size, val_frac=args.val_frac,
                            seed=args.seed, shard_tokens=args.shard_tokens,
                            overwrite=args.overwrite, progress=report)
+    _warn_split(manifest)
     console = Console()
     print_summary(console, out, manifest)
     console.print(f"prepared {out} from recipe {args.recipe} in {manifest['prepare_seconds']:.1f} s "
@@ -200,6 +205,24 @@ def run_info(args: argparse.Namespace) -> int:
                   f"{v.n_shards} shards ({v.n_bytes:,} bytes): sizes and sha256 recomputed, all match "
                   f"{MANIFEST_FILE}; token ids all below vocab_size {v.vocab_size} (largest {v.max_id})")
     return 0
+
+
+def _split_line(manifest: dict[str, Any]) -> str:
+    """The split as asked and as realised (share of the text's bytes and of the tokens)."""
+    rule, splits = manifest["split"], manifest["splits"]
+    tokens = splits["val"]["n_tokens"] / (splits["val"]["n_tokens"] + splits["train"]["n_tokens"])
+    text = splits["val"]["n_bytes"] / (splits["val"]["n_bytes"] + splits["train"]["n_bytes"])
+    how = (f"documents cut into chunks of up to {rule['chunk_bytes']:,} bytes, split by name hash"
+           if "chunk_bytes" in rule else "whole documents split by name hash (prepared before chunking)")
+    return (f"seed {rule['seed']}, val_frac {rule['val_frac']} asked, realised {text:.2%} of the text "
+            f"({tokens:.2%} of the tokens); {how}")
+
+
+def _warn_split(manifest: dict[str, Any]) -> None:
+    """The realised split's note (a corpus too small for the fraction asked), on stderr."""
+    note = manifest["split"].get("note")
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> None:
@@ -246,6 +269,6 @@ def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> Non
     info.add_row("vocab size", f"{manifest['vocab_size']} (asked {manifest['vocab_size_requested']}), "
                                f"tokens stored as {manifest['dtype']}")
     info.add_row("tokenizer sha256", tok["sha256"])
-    info.add_row("split", f"seed {rule['seed']}, val_frac {rule['val_frac']}, by document name hash")
+    info.add_row("split", _split_line(manifest))
     info.add_row("created", f"{manifest['created']} in {manifest['prepare_seconds']} s")
     console.print(info)

@@ -27,6 +27,7 @@ import datetime as dt
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -56,9 +57,22 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 # Documents are encoded in batches of about this many characters: big enough for encode_batch to
 # use every core, small enough to bound memory.
 _ENCODE_BATCH_CHARS = 4 << 20
-SPLIT_RULE = ("val if int(sha256(f'{seed}:{name}')[:16], 16) / 2**64 < val_frac, else train; "
-              "if a split would be empty, the document with the smallest (for val) or largest "
-              "(for train) hash moves into it")
+# Documents longer than this are cut into chunks of at most this many UTF-8 bytes (at blank
+# lines, else line ends) before splitting: the split is decided per chunk, so a corpus of a few
+# large files (novels, a single file) gets a validation split of the size asked for, instead of
+# whole files (two novels and val_frac 0.02 gave 42% of the tokens to val). About a page of
+# text: a 100 KB file still holds 25 chunks, and a val chunk is a few paragraphs of context.
+CHUNK_BYTES = 4096
+# A realised validation fraction further than this factor from val_frac is an error (unless the
+# validation split is a single chunk: nothing smaller is possible).
+SPLIT_TOLERANCE = 2.0
+SPLIT_RULE = ("documents over chunk_bytes are cut into chunks of at most chunk_bytes UTF-8 bytes at "
+              "blank lines (else line ends); with u = int(sha256(f'{seed}:{name}')[:16], 16) / 2**64 "
+              "and v = (u - val_frac) mod 1, chunk i of a document is val if floor((i+1)*val_frac + v) "
+              "> floor(i*val_frac + v), else train (a one-chunk document: val if u < val_frac), so "
+              "every long document gives val its share; consecutive chunks of one split stay one "
+              "document; if a split would be empty, the first chunk of the document with the smallest "
+              "(for val) or largest (for train) u moves into it")
 
 ProgressFn = Callable[[str, int, int | None], None]
 """``progress(stage, done_bytes, total_bytes or None)``, called as each stage advances."""
@@ -132,8 +146,8 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
     """The three passes: split, tokenizer, shards in a temporary directory moved into place."""
     plan = _scan(src, seed, val_frac, report)
     tokenizer = train_bpe(
-        (text for name, text in _tracked(src, "training tokenizer", plan.total_bytes, report)
-         if plan.split_of(name) == "train"),
+        (text for _, text, split in _pieces(_tracked(src, "training tokenizer", plan.total_bytes, report), plan)
+         if split == "train"),
         vocab_size,
     )
     actual_vocab = tokenizer.get_vocab_size()
@@ -148,10 +162,10 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
         tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
         index = open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         with _naming(tmp / DOCUMENTS_FILE):
-            for batch in _batches(_tracked(src, "encoding", plan.total_bytes, report)):
-                encodings = tokenizer.encode_batch([text for _, text in batch])
-                for (name, text), enc in zip(batch, encodings, strict=True):
-                    writer = writers[plan.split_of(name)]
+            for batch in _batches(_pieces(_tracked(src, "encoding", plan.total_bytes, report), plan)):
+                encodings = tokenizer.encode_batch([text for _, text, _ in batch])
+                for (name, text, split), enc in zip(batch, encodings, strict=True):
+                    writer = writers[split]
                     ids = np.asarray([*enc.ids, EOS_ID], dtype=dtype)
                     n_bytes = text_bytes(text)  # UTF-8 of the decoded text: see text_bytes
                     index.write(json.dumps({"split": writer.split, "offset": writer.n_tokens,
@@ -169,7 +183,9 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
             "vocab_size": actual_vocab,
             "vocab_size_requested": vocab_size,
             "dtype": dtype.name,
-            "split": {"rule": SPLIT_RULE, "seed": seed, "val_frac": val_frac},
+            "split": {"rule": SPLIT_RULE, "seed": seed, "val_frac": val_frac, "chunk_bytes": plan.chunk_bytes,
+                      "val_frac_realised": round(plan.val_fraction(), 6), "val_chunks": plan.chunks["val"],
+                      "train_chunks": plan.chunks["train"], **({"note": plan.note} if plan.note else {})},
             "splits": {s: w.close() for s, w in writers.items()},
             "documents": DOCUMENTS_FILE,
             "prepare_seconds": round(time.perf_counter() - started, 2),
@@ -333,43 +349,142 @@ def split_hash(seed: int, name: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
+def chunk_text(text: str, limit: int = CHUNK_BYTES) -> list[str]:
+    """``text`` cut into pieces of at most ``limit`` UTF-8 bytes whose concatenation is ``text``.
+
+    Pieces end at paragraph boundaries (after a blank line) where they can; a paragraph longer
+    than ``limit`` is cut after line ends, and a line longer than that between characters.
+    Whole paragraphs are packed greedily, so pieces are close to ``limit``.
+    """
+    if len(text.encode("utf-8")) <= limit:
+        return [text]
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for unit in _units(text, limit):
+        n = len(unit.encode("utf-8"))
+        if current and size + n > limit:
+            chunks.append("".join(current))
+            current, size = [], 0
+        current.append(unit)
+        size += n
+    if current:
+        chunks.append("".join(current))
+    return chunks
+
+
+def _units(text: str, limit: int) -> Iterator[str]:
+    """Paragraphs (with their trailing blank lines), else lines, else slices, each <= limit bytes."""
+    for paragraph in re.findall(r".*?\n(?:[ \t]*\n)+|.+", text, flags=re.S):
+        if len(paragraph.encode("utf-8")) <= limit:
+            if paragraph:
+                yield paragraph
+            continue
+        for line in paragraph.splitlines(keepends=True):
+            if len(line.encode("utf-8")) <= limit:
+                yield line
+                continue
+            step = max(1, limit // 4)  # a character is at most 4 UTF-8 bytes
+            for i in range(0, len(line), step):
+                yield line[i:i + step]
+
+
 @dataclass
 class _SplitPlan:
-    """The split of every document: the hash rule plus the few documents moved to fill a split."""
+    """The split of every chunk: the systematic rule plus the few chunks moved to fill a split."""
 
     seed: int
     val_frac: float
+    chunk_bytes: int = CHUNK_BYTES
     total_bytes: int = 0
-    forced: dict[str, str] = field(default_factory=dict)
+    forced: dict[tuple[str, int], str] = field(default_factory=dict)
+    split_bytes: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
+    chunks: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
+    note: str | None = None
 
-    def split_of(self, name: str) -> str:
-        if name in self.forced:
-            return self.forced[name]
-        return "val" if split_hash(self.seed, name) < self.val_frac else "train"
+    def split_of(self, name: str, index: int = 0) -> str:
+        """The split of chunk ``index`` of document ``name``.
+
+        Chunk i of a document is val where the sequence ``i * val_frac + v`` crosses an integer:
+        a document of k chunks gives val floor(k*val_frac) or ceil(k*val_frac) of them, evenly
+        spaced, at a phase ``v`` set by the hash of its name (so independent of corpus order
+        and size). For a one-chunk document this is the plain rule ``u < val_frac``.
+        """
+        if (name, index) in self.forced:
+            return self.forced[(name, index)]
+        v = (split_hash(self.seed, name) - self.val_frac) % 1.0
+        crossed = math.floor((index + 1) * self.val_frac + v) > math.floor(index * self.val_frac + v)
+        return "val" if crossed else "train"
+
+    def val_fraction(self) -> float:
+        return self.split_bytes["val"] / max(1, self.total_bytes)
+
+
+def _pieces(docs: Iterator[tuple[str, str]], plan: _SplitPlan) -> Iterator[tuple[str, str, str]]:
+    """``(name, text, split)`` of each document, cut into chunks and split by ``plan``; the
+    consecutive chunks of one split are joined again, so a document with no val chunk stays
+    whole and the training text is cut only where validation text was taken out."""
+    for name, text in docs:
+        chunks = chunk_text(text, plan.chunk_bytes)
+        start = 0
+        for i in range(1, len(chunks) + 1):
+            if i == len(chunks) or plan.split_of(name, i) != plan.split_of(name, start):
+                piece = name if (start, i) == (0, len(chunks)) else f"{name}#{start}-{i - 1}"
+                yield piece, "".join(chunks[start:i]), plan.split_of(name, start)
+                start = i
 
 
 def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -> _SplitPlan:
-    """Read the corpus once to size it and make sure both splits get at least one document."""
+    """Read the corpus once: size it, make sure both splits get at least one chunk, and check
+    that the validation split is near the fraction asked for."""
     plan = _SplitPlan(seed, val_frac)
-    counts = {"train": 0, "val": 0}
-    lowest: tuple[float, str] | None = None
-    highest: tuple[float, str] | None = None
+    lowest: tuple[float, str, int] | None = None
+    highest: tuple[float, str, int] | None = None
+    sizes: dict[tuple[str, int], int] = {}
     for name, text in src.documents():
         u = split_hash(seed, name)
-        counts[plan.split_of(name)] += 1
-        lowest = min(lowest, (u, name)) if lowest else (u, name)
-        highest = max(highest, (u, name)) if highest else (u, name)
-        plan.total_bytes += text_bytes(text)
+        lowest = min(lowest, (u, name, 0)) if lowest else (u, name, 0)
+        highest = max(highest, (u, name, 0)) if highest else (u, name, 0)
+        for i, chunk in enumerate(chunk_text(text, plan.chunk_bytes)):
+            n = text_bytes(chunk)
+            split = plan.split_of(name, i)
+            plan.chunks[split] += 1
+            plan.split_bytes[split] += n
+            plan.total_bytes += n
+            if i == 0 and (u, name, 0) in (lowest, highest):
+                sizes[(name, 0)] = n
         report("reading", plan.total_bytes, None)
-    n_docs = counts["train"] + counts["val"]
-    if n_docs < 2 or lowest is None or highest is None:
-        raise DataError(f"data source {src.spec!r} ({src.path}) has {n_docs} non-empty "
-                        "document(s); at least 2 are needed (one for train, one for val)")
-    if counts["val"] == 0:
-        plan.forced[lowest[1]] = "val"
-    if counts["train"] == 0:
-        plan.forced[highest[1]] = "train"
+    n_chunks = plan.chunks["train"] + plan.chunks["val"]
+    if n_chunks < 2 or lowest is None or highest is None:
+        raise DataError(f"data source {src.spec!r} ({src.path}) has {n_chunks} non-empty document "
+                        f"chunk(s) of up to {plan.chunk_bytes} bytes; at least 2 are needed (one for "
+                        "train, one for val)")
+    for split, pick in (("val", lowest), ("train", highest)):
+        if plan.chunks[split] == 0:
+            key = (pick[1], 0)
+            other = "train" if split == "val" else "val"
+            plan.forced[key] = split
+            plan.chunks[split], plan.chunks[other] = 1, plan.chunks[other] - 1
+            plan.split_bytes[split] += sizes[key]
+            plan.split_bytes[other] -= sizes[key]
+    _check_fraction(plan, src)
     return plan
+
+
+def _check_fraction(plan: _SplitPlan, src: DocumentSource) -> None:
+    """A validation split more than SPLIT_TOLERANCE times off val_frac is an error; when it is
+    a single chunk and still too large, nothing smaller exists, so it is only noted."""
+    got, asked = plan.val_fraction(), plan.val_frac
+    if asked / SPLIT_TOLERANCE <= got <= asked * SPLIT_TOLERANCE:
+        return
+    what = (f"the validation split is {got:.2%} of the text of {src.spec!r} ({plan.chunks['val']} of "
+            f"{plan.chunks['train'] + plan.chunks['val']} chunks of up to {plan.chunk_bytes} bytes), "
+            f"more than {SPLIT_TOLERANCE:g}x from --val-frac {asked:g}")
+    if plan.chunks["val"] == 1 and got > asked:
+        plan.note = f"{what}: the corpus is too small for a smaller one"
+        return
+    raise DataError(f"{what}; another --seed or a --val-frac nearer {got:.3g} gives an honest split "
+                    "(a few large documents of very different sizes split unevenly)")
 
 
 def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) -> Iterator[tuple[str, str]]:
@@ -380,8 +495,8 @@ def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) ->
         report(stage, done, total)
 
 
-def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
-    batch: list[tuple[str, str]] = []
+def _batches(docs: Iterator[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
+    batch: list[tuple[str, str, str]] = []
     size = 0
     for doc in docs:
         batch.append(doc)
