@@ -22,6 +22,7 @@ disk is one ``DataError`` line naming the path that could not be written.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import datetime as dt
 import errno
@@ -41,7 +42,16 @@ import numpy as np
 
 from archlab.data.decoding import DEFAULT_ENCODING, text_bytes
 from archlab.data.sources import open_source
-from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
+from archlab.data.tokenizer import (
+    EOS_ID,
+    EOS_TOKEN,
+    TOKENIZER_FILE,
+    file_sha256,
+    find_tokenizer,
+    load_reusable_tokenizer,
+    save_tokenizer,
+    train_bpe,
+)
 from archlab.errors import DataError
 from archlab.io.temporaries import TEMPORARY, process_exists, temporary_path
 from archlab.io.temporaries import host as this_host
@@ -51,6 +61,7 @@ DOCUMENTS_FILE = "documents.jsonl"
 MANIFEST_FORMAT = "archlab-tokens"
 MANIFEST_VERSION = 1
 SPLITS = ("train", "val")
+DEFAULT_VOCAB_SIZE = 4096
 # 100M tokens = 200 MB of uint16 per shard: large enough that few files exist, small enough to
 # copy or compress one at a time.
 DEFAULT_SHARD_TOKENS = 100_000_000
@@ -67,12 +78,12 @@ CHUNK_BYTES = 4096
 # validation split is a single chunk: nothing smaller is possible).
 SPLIT_TOLERANCE = 2.0
 SPLIT_RULE = ("documents over chunk_bytes are cut into chunks of at most chunk_bytes UTF-8 bytes at "
-              "blank lines (else line ends); with u = int(sha256(f'{seed}:{name}')[:16], 16) / 2**64 "
-              "and v = (u - val_frac) mod 1, chunk i of a document is val if floor((i+1)*val_frac + v) "
-              "> floor(i*val_frac + v), else train (a one-chunk document: val if u < val_frac), so "
-              "every long document gives val its share; consecutive chunks of one split stay one "
-              "document; if a split would be empty, the first chunk of the document with the smallest "
-              "(for val) or largest (for train) u moves into it")
+              "blank lines (else line ends); numbering the chunks j = 0, 1, ... in corpus order, with "
+              "v = int(sha256(f'{seed}:split')[:16], 16) / 2**64, chunk j is val if "
+              "floor((j+1)*val_frac + v) > floor(j*val_frac + v), else train: every 1/val_frac-th "
+              "chunk, so val holds floor or ceil of val_frac of the chunks; consecutive chunks of one "
+              "split stay one document; if a split would be empty, chunk N//2 (for val) or 0 (for "
+              "train) moves into it")
 
 ProgressFn = Callable[[str, int, int | None], None]
 """``progress(stage, done_bytes, total_bytes or None)``, called as each stage advances."""
@@ -95,7 +106,7 @@ class DocumentSource(Protocol):
 def prepare(
     source: str | DocumentSource,
     out_dir: str | Path,
-    vocab_size: int = 4096,
+    vocab_size: int | None = None,
     fmt: str = "auto",
     field: str = "text",
     val_frac: float = 0.02,
@@ -106,8 +117,15 @@ def prepare(
     overwrite: bool = False,
     progress: ProgressFn | None = None,
     encoding: str = DEFAULT_ENCODING,
+    tokenizer: str | Path | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into ``out_dir`` and return the manifest that was written.
+
+    ``tokenizer``: reuse an existing tokenizer instead of training one (a prepared data
+    directory, a run or checkpoint directory, or a ``tokenizer.json``; see
+    :func:`archlab.data.tokenizer.find_tokenizer`), so that a model can be measured on a corpus
+    it never saw; its file is copied byte for byte, so the data's tokenizer sha256 equals the
+    checkpoint's. ``vocab_size`` (default 4096) applies only when a tokenizer is trained.
 
     ``source``/``fmt``/``field``/``split``/``max_bytes``/``encoding`` choose the corpus (see
     :func:`archlab.data.sources.open_source`; ``max_bytes=None`` means 8 MB for ``stdlib`` and
@@ -123,6 +141,14 @@ def prepare(
     so ``fmt``/``field``/``split``/``max_bytes``/``encoding`` must then keep their defaults.
     """
     started = time.perf_counter()
+    reuse: Path | None = None
+    if tokenizer is not None:
+        if vocab_size is not None:
+            raise DataError("--vocab-size applies to a tokenizer trained here; a reused --tokenizer "
+                            "keeps its own vocabulary")
+        reuse = find_tokenizer(tokenizer)
+        load_reusable_tokenizer(reuse)  # a wrong kind of tokenizer fails before any reading
+    vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
     _check_args(vocab_size, val_frac, seed, shard_tokens)
     out = Path(out_dir)
     check_destination(out, overwrite)
@@ -138,18 +164,24 @@ def prepare(
     report = progress or (lambda stage, done, total: None)
 
     with _full_disk_is_a_data_error(out):
-        return _build(src, out, vocab_size, val_frac, seed, shard_tokens, report, started)
+        return _build(src, out, vocab_size, val_frac, seed, shard_tokens, report, started, reuse)
 
 
 def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, seed: int,
-           shard_tokens: int, report: ProgressFn, started: float) -> dict[str, Any]:
-    """The three passes: split, tokenizer, shards in a temporary directory moved into place."""
+           shard_tokens: int, report: ProgressFn, started: float, reuse: Path | None) -> dict[str, Any]:
+    """The three passes: split, tokenizer (unless reused), shards in a temporary directory
+    moved into place."""
     plan = _scan(src, seed, val_frac, report)
-    tokenizer = train_bpe(
-        (text for _, text, split in _pieces(_tracked(src, "training tokenizer", plan.total_bytes, report), plan)
-         if split == "train"),
-        vocab_size,
-    )
+    if reuse is not None:
+        tokenizer = load_reusable_tokenizer(reuse)
+        vocab_size = tokenizer.get_vocab_size()
+    else:
+        tokenizer = train_bpe(
+            (text for _, text, split in _pieces(_tracked(src, "training tokenizer", plan.total_bytes, report),
+                                                plan)
+             if split == "train"),
+            vocab_size,
+        )
     actual_vocab = tokenizer.get_vocab_size()
     dtype = np.dtype(np.uint16 if actual_vocab <= 1 << 16 else np.uint32)
 
@@ -159,7 +191,12 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
     index: TextIO | None = None
     try:
         tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stick to the final directory
-        tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
+        if reuse is not None:
+            with _naming(tmp / TOKENIZER_FILE):
+                shutil.copyfile(reuse, tmp / TOKENIZER_FILE)  # the same bytes, so the same sha256
+            tokenizer_sha = file_sha256(tmp / TOKENIZER_FILE)
+        else:
+            tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
         index = open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         with _naming(tmp / DOCUMENTS_FILE):
             for batch in _batches(_pieces(_tracked(src, "encoding", plan.total_bytes, report), plan)):
@@ -179,7 +216,8 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "sources": _describe(src),
             "tokenizer": {"file": TOKENIZER_FILE, "sha256": tokenizer_sha, "kind": "byte-level BPE",
-                          "eos_token": EOS_TOKEN, "eos_id": EOS_ID},
+                          "eos_token": EOS_TOKEN, "eos_id": EOS_ID,
+                          **({"reused_from": str(reuse.resolve())} if reuse is not None else {})},
             "vocab_size": actual_vocab,
             "vocab_size_requested": vocab_size,
             "dtype": dtype.name,
@@ -391,30 +429,33 @@ def _units(text: str, limit: int) -> Iterator[str]:
 
 @dataclass
 class _SplitPlan:
-    """The split of every chunk: the systematic rule plus the few chunks moved to fill a split."""
+    """The split of every chunk: the systematic rule plus the chunk moved to fill an empty split."""
 
     seed: int
     val_frac: float
     chunk_bytes: int = CHUNK_BYTES
     total_bytes: int = 0
-    forced: dict[tuple[str, int], str] = field(default_factory=dict)
+    forced: dict[int, str] = field(default_factory=dict)
     split_bytes: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
     chunks: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
     note: str | None = None
 
-    def split_of(self, name: str, index: int = 0) -> str:
-        """The split of chunk ``index`` of document ``name``.
+    def __post_init__(self) -> None:
+        self._phase = split_hash(self.seed, "split")
 
-        Chunk i of a document is val where the sequence ``i * val_frac + v`` crosses an integer:
-        a document of k chunks gives val floor(k*val_frac) or ceil(k*val_frac) of them, evenly
-        spaced, at a phase ``v`` set by the hash of its name (so independent of corpus order
-        and size). For a one-chunk document this is the plain rule ``u < val_frac``.
+    def split_of(self, index: int) -> str:
+        """The split of chunk ``index`` (counted from the start of the corpus).
+
+        A systematic sample rather than a coin per chunk: every ``1/val_frac``-th chunk, at a
+        phase set by the seed, so val gets floor or ceil of ``val_frac`` of the chunks whatever
+        the corpus, spread evenly over it (independent coins left a 600 KB corpus with 1 val
+        chunk where 3.4 were expected). A chunk's split depends only on its position, so a
+        longer prefix of a corpus (``--max-mb``) keeps the split of a shorter one.
         """
-        if (name, index) in self.forced:
-            return self.forced[(name, index)]
-        v = (split_hash(self.seed, name) - self.val_frac) % 1.0
-        crossed = math.floor((index + 1) * self.val_frac + v) > math.floor(index * self.val_frac + v)
-        return "val" if crossed else "train"
+        if index in self.forced:
+            return self.forced[index]
+        f, v = self.val_frac, self._phase
+        return "val" if math.floor((index + 1) * f + v) > math.floor(index * f + v) else "train"
 
     def val_fraction(self) -> float:
         return self.split_bytes["val"] / max(1, self.total_bytes)
@@ -424,13 +465,16 @@ def _pieces(docs: Iterator[tuple[str, str]], plan: _SplitPlan) -> Iterator[tuple
     """``(name, text, split)`` of each document, cut into chunks and split by ``plan``; the
     consecutive chunks of one split are joined again, so a document with no val chunk stays
     whole and the training text is cut only where validation text was taken out."""
+    first = 0  # the corpus-wide number of the document's first chunk
     for name, text in docs:
         chunks = chunk_text(text, plan.chunk_bytes)
+        splits = [plan.split_of(first + i) for i in range(len(chunks))]
+        first += len(chunks)
         start = 0
         for i in range(1, len(chunks) + 1):
-            if i == len(chunks) or plan.split_of(name, i) != plan.split_of(name, start):
+            if i == len(chunks) or splits[i] != splits[start]:
                 piece = name if (start, i) == (0, len(chunks)) else f"{name}#{start}-{i - 1}"
-                yield piece, "".join(chunks[start:i]), plan.split_of(name, start)
+                yield piece, "".join(chunks[start:i]), splits[start]
                 start = i
 
 
@@ -438,35 +482,27 @@ def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -
     """Read the corpus once: size it, make sure both splits get at least one chunk, and check
     that the validation split is near the fraction asked for."""
     plan = _SplitPlan(seed, val_frac)
-    lowest: tuple[float, str, int] | None = None
-    highest: tuple[float, str, int] | None = None
-    sizes: dict[tuple[str, int], int] = {}
-    for name, text in src.documents():
-        u = split_hash(seed, name)
-        lowest = min(lowest, (u, name, 0)) if lowest else (u, name, 0)
-        highest = max(highest, (u, name, 0)) if highest else (u, name, 0)
-        for i, chunk in enumerate(chunk_text(text, plan.chunk_bytes)):
+    sizes = array.array("q")  # bytes of every chunk, for the one that may move
+    for _, text in src.documents():
+        for chunk in chunk_text(text, plan.chunk_bytes):
             n = text_bytes(chunk)
-            split = plan.split_of(name, i)
+            split = plan.split_of(len(sizes))
             plan.chunks[split] += 1
             plan.split_bytes[split] += n
             plan.total_bytes += n
-            if i == 0 and (u, name, 0) in (lowest, highest):
-                sizes[(name, 0)] = n
+            sizes.append(n)
         report("reading", plan.total_bytes, None)
-    n_chunks = plan.chunks["train"] + plan.chunks["val"]
-    if n_chunks < 2 or lowest is None or highest is None:
-        raise DataError(f"data source {src.spec!r} ({src.path}) has {n_chunks} non-empty document "
+    if len(sizes) < 2:
+        raise DataError(f"data source {src.spec!r} ({src.path}) has {len(sizes)} non-empty document "
                         f"chunk(s) of up to {plan.chunk_bytes} bytes; at least 2 are needed (one for "
                         "train, one for val)")
-    for split, pick in (("val", lowest), ("train", highest)):
+    for split, index in (("val", len(sizes) // 2), ("train", 0)):
         if plan.chunks[split] == 0:
-            key = (pick[1], 0)
             other = "train" if split == "val" else "val"
-            plan.forced[key] = split
+            plan.forced[index] = split
             plan.chunks[split], plan.chunks[other] = 1, plan.chunks[other] - 1
-            plan.split_bytes[split] += sizes[key]
-            plan.split_bytes[other] -= sizes[key]
+            plan.split_bytes[split] += sizes[index]
+            plan.split_bytes[other] -= sizes[index]
     _check_fraction(plan, src)
     return plan
 
@@ -484,7 +520,7 @@ def _check_fraction(plan: _SplitPlan, src: DocumentSource) -> None:
         plan.note = f"{what}: the corpus is too small for a smaller one"
         return
     raise DataError(f"{what}; another --seed or a --val-frac nearer {got:.3g} gives an honest split "
-                    "(a few large documents of very different sizes split unevenly)")
+                    "(the chunks that fell to val are much smaller or larger than the rest)")
 
 
 def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) -> Iterator[tuple[str, str]]:

@@ -127,3 +127,50 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
                             "byte cannot be counted exactly with this tokenizer")
         lengths[token_id] = len(piece)
     return lengths
+
+
+def find_tokenizer(path: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``path`` names: the file itself, a prepared data directory's
+    (checked against its manifest's sha256), or a checkpoint's (a run directory means its latest
+    checkpoint; the trainer copies the data's tokenizer into every checkpoint)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if not p.is_dir():
+        raise DataError(f"--tokenizer {p} does not exist; give a prepared data directory, a run or "
+                        f"checkpoint directory, or a {TOKENIZER_FILE} file")
+    manifest_path = p / "manifest.json"
+    if manifest_path.is_file():
+        import json
+
+        try:
+            entry = json.loads(manifest_path.read_text(encoding="utf-8"))["tokenizer"]
+            tok, sha = p / entry["file"], entry["sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{manifest_path} is not a readable archlab data manifest") from None
+        if not tok.is_file() or file_sha256(tok) != sha:
+            raise DataError(f"{tok} is missing or no longer the tokenizer {manifest_path} records")
+        return tok
+    from archlab.errors import CheckpointError
+    from archlab.io.checkpoint import resolve_checkpoint  # imports torch: only for checkpoints
+
+    try:
+        ckpt = resolve_checkpoint(p)
+    except CheckpointError:
+        raise DataError(f"--tokenizer {p} is neither prepared data (no manifest.json) nor a run or "
+                        "checkpoint directory") from None
+    if not (ckpt / TOKENIZER_FILE).is_file():
+        raise DataError(f"checkpoint {ckpt} carries no {TOKENIZER_FILE}; pass the data directory it "
+                        "was trained on as --tokenizer")
+    return ckpt / TOKENIZER_FILE
+
+
+def load_reusable_tokenizer(path: Path) -> Tokenizer:
+    """Load a tokenizer to prepare more data with: it must be one archlab trains (byte-level,
+    ``<|endoftext|>`` = 0), since the shards, the loader and bits per byte rely on both."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.token_to_id(EOS_TOKEN) != EOS_ID:
+        raise DataError(f"tokenizer {path} does not have {EOS_TOKEN} as id {EOS_ID}; archlab separates "
+                        "documents with it")
+    token_byte_lengths(tokenizer)  # one clear line if it is not byte-level
+    return tokenizer
