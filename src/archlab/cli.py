@@ -188,11 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(nothing is overwritten: choose another --out)")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint")
+    e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint",
+                       description="Loss (nats/token) and bits per byte (over the bytes of exactly the tokens "
+                                   "scored) on a data directory's validation split, or zero-shot task accuracy "
+                                   "with --tasks.")
     e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
-    e.add_argument("--data", help="prepared data directory (default: the one the model was trained on)")
+    e.add_argument("--data", help="prepared data directory whose validation split is scored (default: the one "
+                   "the model was trained on); another corpus must be prepared with the checkpoint's tokenizer: "
+                   "`archlab data prepare --tokenizer RUN ...`")
     e.add_argument("--batches", type=positive_int, default=16,
-                   help="validation batches to average the loss over (default 16)")
+                   help="validation batches to average the loss over (default 16); a split that ends first is "
+                        "scored once to its end, not wrapped, and the tokens scored are printed")
     e.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass (loss and tasks)")
     e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
                    help="tokens per row, at most the model's context (default: the training sequence length)")

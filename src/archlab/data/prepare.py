@@ -1,9 +1,11 @@
 """``prepare``: a corpus in, a directory of token shards, a tokenizer and a manifest out.
 
 The corpus is read three times, so that memory stays bounded by one encoding batch whatever its
-size: a scan decides the train/val split of every document, a second pass trains the tokenizer on
-the train documents only (validation text stays unseen), and a third encodes every document and
-appends it, followed by ``<|endoftext|>``, to the shards of its split.
+size: a scan cuts documents into chunks of at most ``CHUNK_BYTES`` (at blank lines) and decides
+the train/val split of every chunk (see ``SPLIT_RULE``), a second pass trains the tokenizer on the
+train text only (validation text stays unseen; skipped when ``--tokenizer`` reuses one), and a
+third encodes every document piece (a run of consecutive chunks of one split) and appends it,
+followed by ``<|endoftext|>``, to the shards of its split.
 
 Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
 
@@ -11,7 +13,8 @@ Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
     tokenizer.json    the byte-level BPE (its sha256 is in the manifest)
     train_000.bin ... raw little-endian uint16 (or uint32) token ids, read with np.memmap
     val_000.bin ...
-    documents.jsonl   one line per document: split, offset in its split, tokens, bytes, name
+    documents.jsonl   one line per document piece: split, offset in its split, tokens, bytes, name
+                      (``file#3-7``: chunks 3 to 7 of that document)
 
 Everything is built in a hidden sibling directory and renamed into place at the end, so a crash
 or Ctrl-C never leaves a half-written data directory behind. A failed run removes that directory
@@ -74,9 +77,12 @@ _ENCODE_BATCH_CHARS = 4 << 20
 # whole files (two novels and val_frac 0.02 gave 42% of the tokens to val). About a page of
 # text: a 100 KB file still holds 25 chunks, and a val chunk is a few paragraphs of context.
 CHUNK_BYTES = 4096
-# A realised validation fraction further than this factor from val_frac is an error (unless the
-# validation split is a single chunk: nothing smaller is possible).
+# A realised validation fraction (of the bytes) further than this factor from val_frac is an
+# error, once the corpus holds enough chunks to expect it: with fewer than MIN_VAL_CHUNKS expected
+# in val, chunks of unequal sizes (a 100-byte file beside a 4 KB one) can put the byte fraction
+# anywhere, and the deviation is only noted.
 SPLIT_TOLERANCE = 2.0
+MIN_VAL_CHUNKS = 8
 SPLIT_RULE = ("documents over chunk_bytes are cut into chunks of at most chunk_bytes UTF-8 bytes at "
               "blank lines (else line ends); numbering the chunks j = 0, 1, ... in corpus order, with "
               "v = int(sha256(f'{seed}:split')[:16], 16) / 2**64, chunk j is val if "
@@ -382,7 +388,7 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
 # The split
 # --------------------------------------------------------------------------------------------
 def split_hash(seed: int, name: str) -> float:
-    """A number in [0, 1) fixed by (seed, document name), independent of corpus order or size."""
+    """A number in [0, 1) fixed by (seed, name): the phase of the split (name "split")."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
@@ -508,16 +514,18 @@ def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -
 
 
 def _check_fraction(plan: _SplitPlan, src: DocumentSource) -> None:
-    """A validation split more than SPLIT_TOLERANCE times off val_frac is an error; when it is
-    a single chunk and still too large, nothing smaller exists, so it is only noted."""
+    """A validation split more than SPLIT_TOLERANCE times off val_frac is an error; in a corpus
+    too small to expect MIN_VAL_CHUNKS val chunks it is only noted."""
     got, asked = plan.val_fraction(), plan.val_frac
     if asked / SPLIT_TOLERANCE <= got <= asked * SPLIT_TOLERANCE:
         return
+    n_chunks = plan.chunks["train"] + plan.chunks["val"]
     what = (f"the validation split is {got:.2%} of the text of {src.spec!r} ({plan.chunks['val']} of "
-            f"{plan.chunks['train'] + plan.chunks['val']} chunks of up to {plan.chunk_bytes} bytes), "
-            f"more than {SPLIT_TOLERANCE:g}x from --val-frac {asked:g}")
-    if plan.chunks["val"] == 1 and got > asked:
-        plan.note = f"{what}: the corpus is too small for a smaller one"
+            f"{n_chunks} chunks of up to {plan.chunk_bytes} bytes), more than {SPLIT_TOLERANCE:g}x from "
+            f"--val-frac {asked:g}")
+    if n_chunks * asked < MIN_VAL_CHUNKS:
+        plan.note = (f"{what}: the corpus is too small (fewer than {MIN_VAL_CHUNKS} val chunks "
+                     "expected) for the split to follow the fraction")
         return
     raise DataError(f"{what}; another --seed or a --val-frac nearer {got:.3g} gives an honest split "
                     "(the chunks that fell to val are much smaller or larger than the rest)")
