@@ -113,3 +113,20 @@ def test_evaluation_past_the_end_of_the_split_does_not_wrap(tiny_run, other, cap
                              str(many))
     assert code == 0, err
     assert f"over {api['tokens']:,} tokens" in out and "none wrapped" in err
+
+
+def test_the_trainer_logs_the_tokens_it_scored(stdlib_data, tmp_path, capsys) -> None:
+    """train.eval_batches past the end of the val split: scored once to its end, logged and said."""
+    from tests.conftest import small_config
+    from archlab.train.trainer import read_curves, train
+
+    n_val = TokenData(stdlib_data).n_tokens("val")
+    many = n_val // (4 * 32) + 3
+    res = train(small_config(stdlib_data, "train.steps=2", "train.eval_every=2", "train.ckpt_every=2",
+                             f"train.eval_batches={many}"), tmp_path / "run", show_progress=False)
+    _, val = read_curves(tmp_path / "run")
+    assert val[-1]["val_tokens"] == (n_val - 1) // 32 * 32 < many * 4 * 32
+    assert "fewer tokens than the" in capsys.readouterr().err  # said once, on stderr
+    assert res.final_val_bpb == val[-1]["bpb"]
+    api = evaluate_checkpoint_on(stdlib_data, tmp_path / "run", batches=many, batch_size=4)
+    assert api["loss"] == pytest.approx(val[-1]["loss"], rel=1e-5) and api["tokens"] == val[-1]["val_tokens"]
