@@ -40,22 +40,7 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _check_tokenizer_matches(ckpt: Path, data) -> None:
-    from archlab.data.tokenizer import file_sha256
-
-    tok = ckpt / "tokenizer.json"
-    if tok.is_file() and file_sha256(tok) != file_sha256(data.tokenizer_path):
-        raise DataError(f"the data in {data.path} was tokenized with another tokenizer than checkpoint "
-                        f"{ckpt} was trained with; prepare the data with the checkpoint's tokenizer")
-
-
 def cmd_eval(args) -> int:
-    import math
-
-    import torch
-
-    from archlab.data.loader import TokenData
-    from archlab.io.checkpoint import load_model
     from archlab.io.device import resolve_device
 
     if not args.tasks and (args.limit is not None or args.task_dir):
@@ -75,23 +60,18 @@ def cmd_eval(args) -> int:
         else:
             Console().print(results_table(results, title=f"zero-shot accuracy of {ckpt}"))
         return 0
-    model, cfg, ckpt = load_model(args.ckpt, device)
-    data = TokenData(args.data or cfg.data.path)
-    data.check_model_vocab(cfg.model.vocab_size)
-    _check_tokenizer_matches(ckpt, data)
-    seq = args.seq_len or cfg.train.seq_len
-    if seq > cfg.model.max_seq_len:
-        raise UsageError(f"--seq-len must be at most the model's context of {cfg.model.max_seq_len} tokens, got {seq}")
-    losses = []
-    with torch.no_grad():
-        for x, y in data.val_batches(args.batches, args.batch_size, seq):
-            losses.append(float(model(x.to(device), y.to(device)).nll))
-    loss = sum(losses) / len(losses)
-    bpb = loss / math.log(2) / data.bytes_per_token("val")
-    result = {"checkpoint": str(ckpt), "data": str(data.path), "val_loss": loss, "val_bpb": bpb,
-              "tokens": args.batches * args.batch_size * seq}
-    print(json.dumps(result, indent=1) if args.json else
-          f"{ckpt}: val loss {loss:.4f} nats/token, {bpb:.4f} bits/byte over {result['tokens']:,} tokens")
+    from archlab.eval.corpus import evaluate_checkpoint_on
+
+    result = evaluate_checkpoint_on(args.data, args.ckpt, batches=args.batches, batch_size=args.batch_size,
+                                    seq_len=args.seq_len or None, device=device)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"{result['checkpoint']} on {result['data']} (val split): loss {result['loss']:.4f} nats/token, "
+          f"{result['bpb']:.4f} bits/byte over {result['tokens']:,} tokens ({result['bytes']:,} bytes)")
+    if result["tokens"] < result["tokens_requested"]:
+        print(f"note: the val split ends before the {result['tokens_requested']:,} tokens asked for "
+              f"(--batches x --batch-size x seq-len); each token was scored once, none wrapped", file=sys.stderr)
     return 0
 
 
@@ -208,11 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(nothing is overwritten: choose another --out)")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint")
+    e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint",
+                       description="Loss (nats/token) and bits per byte (over the bytes of exactly the tokens "
+                                   "scored) on a data directory's validation split, or zero-shot task accuracy "
+                                   "with --tasks.")
     e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
-    e.add_argument("--data", help="prepared data directory (default: the one the model was trained on)")
+    e.add_argument("--data", help="prepared data directory whose validation split is scored (default: the one "
+                   "the model was trained on); another corpus must be prepared with the checkpoint's tokenizer: "
+                   "`archlab data prepare --tokenizer RUN ...`")
     e.add_argument("--batches", type=positive_int, default=16,
-                   help="validation batches to average the loss over (default 16)")
+                   help="validation batches to average the loss over (default 16); a split that ends first is "
+                        "scored once to its end, not wrapped, and the tokens scored are printed")
     e.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass (loss and tasks)")
     e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
                    help="tokens per row, at most the model's context (default: the training sequence length)")

@@ -123,5 +123,5 @@ def test_bad_sources_and_arguments(spec: str, kwargs: dict, pattern: str, tmp_pa
 def test_one_document_is_not_enough(real_docs: Docs, tmp_path: Path) -> None:
     src = tmp_path / "one.jsonl"
     src.write_text(json.dumps({"text": real_docs[0][1]}) + "\n")
-    with pytest.raises(DataError, match=r"has 1 non-empty document\(s\); at least 2 are needed"):
+    with pytest.raises(DataError, match=r"has 1 non-empty document chunk\(s\) of up to 4096 bytes; at least 2 are needed"):
         prepare(str(src), tmp_path / "out", vocab_size=300)

@@ -85,16 +85,36 @@ def test_val_batches_are_fixed_contiguous_windows(stdlib_dir: Path) -> None:
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
-def test_val_batches_wrap_when_the_split_is_short(stdlib_dir: Path) -> None:
+def test_val_batches_stop_at_the_end_of_the_split(stdlib_dir: Path) -> None:
+    """More windows than the split holds: every token is scored once, none wrapped around."""
     data = TokenData(stdlib_dir)
     stream = split_tokens(stdlib_dir, "val").astype(np.int64)
     n = len(stream)
     seq_len = 1000
-    n_windows = n // seq_len + 3  # more windows than the split holds
-    batches = data.val_batches(n_windows, 1, seq_len)
-    xs = torch.cat([x.reshape(-1) for x, _ in batches]).numpy()
-    np.testing.assert_array_equal(xs[:n], stream)
-    np.testing.assert_array_equal(xs[n:], stream[: len(xs) - n])
+    fit = (n - 1) // seq_len
+    batches = data.val_batches(fit + 3, 2, seq_len)  # asks for about twice the split
+    assert data.val_windows(fit + 3, 2, seq_len) == fit
+    assert len(batches) == (fit + 1) // 2 and batches[-1][0].shape[0] == 2 - fit % 2
+    ys = torch.cat([y.reshape(-1) for _, y in batches]).numpy()
+    assert len(ys) == fit * seq_len <= n - 1
+    np.testing.assert_array_equal(ys, stream[1:fit * seq_len + 1])  # in order, none repeated
+    assert data.target_bytes(torch.cat([y for _, y in batches])) == int(data.token_bytes[stream[1:len(ys) + 1]].sum())
+
+
+def test_target_bytes_are_the_bytes_of_those_tokens(stdlib_dir: Path) -> None:
+    """The per-token byte table adds up to the UTF-8 length of the text the tokens decode to,
+    for a prefix of the split as for the whole split (which the manifest records)."""
+    data = TokenData(stdlib_dir)
+    stream = split_tokens(stdlib_dir, "val").astype(np.int64)
+    assert int(data.token_bytes[stream].sum()) == data.manifest["splits"]["val"]["n_bytes"]
+    for cut in (1, 777, 5000):
+        prefix = stream[:cut]
+        text = data.tokenizer.decode(prefix.tolist(), skip_special_tokens=True)
+        if "\ufffd" not in text:  # a cut inside a multi-byte character decodes to U+FFFD
+            assert data.target_bytes(prefix) == len(text.encode("utf-8"))
+    # the whole-split average is not the bytes of a prefix: the old denominator was off
+    prefix = stream[:2000]
+    assert data.target_bytes(prefix) != round(len(prefix) * data.bytes_per_token("val"))
 
 
 def test_check_model_vocab(stdlib_dir: Path) -> None:

@@ -27,7 +27,8 @@ from rich.table import Table
 
 from archlab.argtypes import int_at_least, non_negative_float, non_negative_int, open_unit_float, positive_int
 from archlab.data.decoding import DEFAULT_ENCODING, replacement_warning, text_encoding
-from archlab.data.prepare import DEFAULT_SHARD_TOKENS, MANIFEST_FILE, SPLITS, check_destination, prepare
+from archlab.data.prepare import (DEFAULT_SHARD_TOKENS, DEFAULT_VOCAB_SIZE, MANIFEST_FILE, SPLITS, check_destination,
+                                  prepare)
 from archlab.data.recipes import CACHE_ENV, default_cache_dir, get_recipe, open_recipe, recipe_rows
 from archlab.data.sources import FORMATS, STDLIB_DEFAULT_MAX_BYTES
 from archlab.data.tokenizer import MIN_VOCAB_SIZE
@@ -64,10 +65,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="split of a saved DatasetDict or a hub dataset (default: train)")
     p.add_argument("--out", default=None,
                    help=f"output directory (default: {DEFAULT_OUT}, or data/NAME for --recipe NAME)")
-    p.add_argument("--vocab-size", type=int_at_least(MIN_VOCAB_SIZE, "256 bytes + <|endoftext|>"), default=4096,
-                   help=f"BPE vocabulary size, at least {MIN_VOCAB_SIZE} (default: 4096)")
+    p.add_argument("--vocab-size", type=int_at_least(MIN_VOCAB_SIZE, "256 bytes + <|endoftext|>"), default=None,
+                   help=f"BPE vocabulary size, at least {MIN_VOCAB_SIZE} (default: {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--tokenizer", default=None, metavar="CKPT_OR_DATA_DIR",
+                   help="reuse this tokenizer instead of training one: a prepared data directory, a run "
+                        "or checkpoint directory, or a tokenizer.json; then `archlab eval --ckpt RUN "
+                        "--data OUT` measures that run on this corpus")
     p.add_argument("--val-frac", type=open_unit_float, default=0.02,
-                   help="fraction of documents held out for validation (default: 0.02)")
+                   help="fraction of the text held out for validation (default: 0.02); documents "
+                        "are cut into chunks of about 4 KB at blank lines first, so a few large files "
+                        "or a single file split too; the realised fraction is printed, and one more "
+                        "than 2x away from this is an error")
     p.add_argument("--max-mb", type=non_negative_float, default=None,
                    help=f"use only the first MB (10^6 bytes) of text; default "
                         f"{STDLIB_DEFAULT_MAX_BYTES // 10**6} for stdlib, everything otherwise; 0 = no "
@@ -131,8 +139,10 @@ def run_prepare(args: argparse.Namespace) -> int:
         manifest = prepare(args.source or "stdlib", out, vocab_size=args.vocab_size, fmt=args.fmt,
                            field=args.field, val_frac=args.val_frac, max_bytes=max_bytes,
                            seed=args.seed, shard_tokens=args.shard_tokens, split=args.split,
-                           overwrite=args.overwrite, progress=report, encoding=args.encoding)
+                           overwrite=args.overwrite, progress=report, encoding=args.encoding,
+                           tokenizer=args.tokenizer)
     _warn_replaced(manifest)
+    _warn_split(manifest)
     console = Console()
     print_summary(console, Path(out), manifest)
     console.print(f"prepared {out} in {manifest['prepare_seconds']:.1f} s")
@@ -156,7 +166,8 @@ def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Con
     with _progress(stderr) as report:
         manifest = prepare(source, out, vocab_size=args.vocab_size, val_frac=args.val_frac,
                            seed=args.seed, shard_tokens=args.shard_tokens,
-                           overwrite=args.overwrite, progress=report)
+                           overwrite=args.overwrite, progress=report, tokenizer=args.tokenizer)
+    _warn_split(manifest)
     console = Console()
     print_summary(console, out, manifest)
     console.print(f"prepared {out} from recipe {args.recipe} in {manifest['prepare_seconds']:.1f} s "
@@ -200,6 +211,24 @@ def run_info(args: argparse.Namespace) -> int:
                   f"{v.n_shards} shards ({v.n_bytes:,} bytes): sizes and sha256 recomputed, all match "
                   f"{MANIFEST_FILE}; token ids all below vocab_size {v.vocab_size} (largest {v.max_id})")
     return 0
+
+
+def _split_line(manifest: dict[str, Any]) -> str:
+    """The split as asked and as realised (share of the text's bytes and of the tokens)."""
+    rule, splits = manifest["split"], manifest["splits"]
+    tokens = splits["val"]["n_tokens"] / (splits["val"]["n_tokens"] + splits["train"]["n_tokens"])
+    text = splits["val"]["n_bytes"] / (splits["val"]["n_bytes"] + splits["train"]["n_bytes"])
+    how = (f"documents cut into chunks of up to {rule['chunk_bytes']:,} bytes, split by name hash"
+           if "chunk_bytes" in rule else "whole documents split by name hash (prepared before chunking)")
+    return (f"seed {rule['seed']}, val_frac {rule['val_frac']} asked, realised {text:.2%} of the text "
+            f"({tokens:.2%} of the tokens); {how}")
+
+
+def _warn_split(manifest: dict[str, Any]) -> None:
+    """The realised split's note (a corpus too small for the fraction asked), on stderr."""
+    note = manifest["split"].get("note")
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> None:
@@ -246,6 +275,8 @@ def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> Non
     info.add_row("vocab size", f"{manifest['vocab_size']} (asked {manifest['vocab_size_requested']}), "
                                f"tokens stored as {manifest['dtype']}")
     info.add_row("tokenizer sha256", tok["sha256"])
-    info.add_row("split", f"seed {rule['seed']}, val_frac {rule['val_frac']}, by document name hash")
+    if "reused_from" in tok:
+        info.add_row("tokenizer from", f"{tok['reused_from']} (reused, not trained here)")
+    info.add_row("split", _split_line(manifest))
     info.add_row("created", f"{manifest['created']} in {manifest['prepare_seconds']} s")
     console.print(info)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from archlab.data.integrity import ShardRecord, Verification, verify_shards
 from archlab.data.prepare import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, SPLITS
-from archlab.data.tokenizer import file_sha256, load_tokenizer
+from archlab.data.tokenizer import file_sha256, load_tokenizer, token_byte_lengths
 from archlab.errors import DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -51,6 +51,7 @@ class TokenData:
             self._dtype, self.vocab_size, use_cache=not recheck,
             prepare_hint=f"re-run `archlab data prepare --out {self.path} --overwrite`")
         self._val_cache: dict[tuple[int, int, int], np.ndarray] = {}
+        self._token_bytes: np.ndarray | None = None
 
     # ---- properties ------------------------------------------------------------------------
     @property
@@ -75,10 +76,9 @@ class TokenData:
         return int(self._split_entry(split)["n_tokens"])
 
     def bytes_per_token(self, split: str) -> float:
-        """UTF-8 bytes of document text per token of ``split``.
-
-        Tokens include the end-of-text separators, as the loss does, so
-        ``bits_per_byte = loss_nats / ln(2) / bytes_per_token``.
+        """UTF-8 bytes of document text per token of the whole ``split`` (end-of-text separators
+        included): a description of the data. Bits per byte over a part of a split divides by the
+        bytes of the tokens scored (:meth:`target_bytes`), not by this average.
         """
         entry = self._split_entry(split)
         return int(entry["n_bytes"]) / int(entry["n_tokens"])
@@ -116,19 +116,54 @@ class TokenData:
         """The validation batches: the same list every call.
 
         Windows are taken in order from the start of the val split with stride ``seq_len``, so
-        each target token is predicted once; if the split is shorter than needed it is read
-        again from the start (the stream wraps after a document's end-of-text token).
+        each target token is predicted once. Windows that would run past the end of the split
+        are left out, never wrapped to its start (a wrapped stream scores the same tokens twice
+        and counts them as more evidence than there is): the list may hold fewer than
+        ``n_batches`` batches and its last batch fewer than ``batch_size`` rows. Callers count
+        the tokens they score from the targets (``y.numel()``), and see the shortfall with
+        :meth:`val_windows`.
         """
         key = (n_batches, batch_size, seq_len)
         if key not in self._val_cache:
-            total = self.n_tokens("val")
-            self._require_tokens("val", seq_len, total > seq_len)
-            needed = n_batches * batch_size * seq_len + 1
-            stream = np.concatenate([np.asarray(s[: needed]) for s in self._shards["val"]])
-            stream = np.resize(stream[:needed], needed)  # repeats from the start if short
-            index = np.arange(n_batches * batch_size)[:, None] * seq_len + np.arange(seq_len + 1)
-            self._val_cache[key] = stream[index].reshape(n_batches, batch_size, seq_len + 1)
-        return [_to_xy(windows) for windows in self._val_cache[key]]
+            n_windows = self.val_windows(n_batches, batch_size, seq_len)
+            needed = n_windows * seq_len + 1
+            stream = np.concatenate([np.asarray(s[: needed]) for s in self._shards["val"]])[:needed]
+            index = np.arange(n_windows)[:, None] * seq_len + np.arange(seq_len + 1)
+            self._val_cache[key] = stream[index]
+        windows = self._val_cache[key]
+        return [_to_xy(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
+
+    def val_windows(self, n_batches: int, batch_size: int, seq_len: int) -> int:
+        """How many of the ``n_batches * batch_size`` requested validation windows of ``seq_len``
+        targets fit in the val split (at least one, or a ``DataError``)."""
+        for name, value in (("batches", n_batches), ("batch size", batch_size), ("seq_len", seq_len)):
+            if value < 1:
+                raise DataError(f"the validation {name} must be >= 1, got {value}")
+        total = self.n_tokens("val")
+        self._require_tokens("val", seq_len, total > seq_len)
+        return min(n_batches * batch_size, (total - 1) // seq_len)
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text per token id (0 for ``<|endoftext|>``), checked once against the
+        val split: its tokens' bytes must add up to the bytes the manifest recorded for it."""
+        if self._token_bytes is None:
+            table = token_byte_lengths(self._tokenizer)
+            counted = sum(int(table[shard[i:i + (1 << 24)]].sum())
+                          for shard in self._shards["val"] for i in range(0, len(shard), 1 << 24))
+            recorded = int(self._split_entry("val")["n_bytes"])
+            if counted != recorded:
+                raise DataError(f"the val tokens of {self.path} stand for {counted:,} bytes of text but "
+                                f"{MANIFEST_FILE} records {recorded:,}; the tokenizer does not map "
+                                "tokens to bytes one to one, so bits per byte cannot be computed")
+            self._token_bytes = table
+        return self._token_bytes
+
+    def target_bytes(self, targets: torch.Tensor | np.ndarray) -> int:
+        """UTF-8 bytes of text that the target token ids stand for: the denominator of bits per
+        byte over exactly those targets (``<|endoftext|>`` counts 0 bytes, as in ``n_bytes``)."""
+        ids = targets.cpu().numpy() if isinstance(targets, torch.Tensor) else np.asarray(targets)
+        return int(self.token_bytes[ids].sum())
 
     def _require_tokens(self, split: str, seq_len: int, ok: bool) -> None:
         if not ok:

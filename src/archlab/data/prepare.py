@@ -1,9 +1,11 @@
 """``prepare``: a corpus in, a directory of token shards, a tokenizer and a manifest out.
 
 The corpus is read three times, so that memory stays bounded by one encoding batch whatever its
-size: a scan decides the train/val split of every document, a second pass trains the tokenizer on
-the train documents only (validation text stays unseen), and a third encodes every document and
-appends it, followed by ``<|endoftext|>``, to the shards of its split.
+size: a scan cuts documents into chunks of at most ``CHUNK_BYTES`` (at blank lines) and decides
+the train/val split of every chunk (see ``SPLIT_RULE``), a second pass trains the tokenizer on the
+train text only (validation text stays unseen; skipped when ``--tokenizer`` reuses one), and a
+third encodes every document piece (a run of consecutive chunks of one split) and appends it,
+followed by ``<|endoftext|>``, to the shards of its split.
 
 Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
 
@@ -11,7 +13,8 @@ Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
     tokenizer.json    the byte-level BPE (its sha256 is in the manifest)
     train_000.bin ... raw little-endian uint16 (or uint32) token ids, read with np.memmap
     val_000.bin ...
-    documents.jsonl   one line per document: split, offset in its split, tokens, bytes, name
+    documents.jsonl   one line per document piece: split, offset in its split, tokens, bytes, name
+                      (``file#3-7``: chunks 3 to 7 of that document)
 
 Everything is built in a hidden sibling directory and renamed into place at the end, so a crash
 or Ctrl-C never leaves a half-written data directory behind. A failed run removes that directory
@@ -22,11 +25,13 @@ disk is one ``DataError`` line naming the path that could not be written.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import datetime as dt
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -40,7 +45,16 @@ import numpy as np
 
 from archlab.data.decoding import DEFAULT_ENCODING, text_bytes
 from archlab.data.sources import open_source
-from archlab.data.tokenizer import EOS_ID, EOS_TOKEN, TOKENIZER_FILE, save_tokenizer, train_bpe
+from archlab.data.tokenizer import (
+    EOS_ID,
+    EOS_TOKEN,
+    TOKENIZER_FILE,
+    file_sha256,
+    find_tokenizer,
+    load_reusable_tokenizer,
+    save_tokenizer,
+    train_bpe,
+)
 from archlab.errors import DataError
 from archlab.io.temporaries import TEMPORARY, process_exists, temporary_path
 from archlab.io.temporaries import host as this_host
@@ -50,15 +64,32 @@ DOCUMENTS_FILE = "documents.jsonl"
 MANIFEST_FORMAT = "archlab-tokens"
 MANIFEST_VERSION = 1
 SPLITS = ("train", "val")
+DEFAULT_VOCAB_SIZE = 4096
 # 100M tokens = 200 MB of uint16 per shard: large enough that few files exist, small enough to
 # copy or compress one at a time.
 DEFAULT_SHARD_TOKENS = 100_000_000
 # Documents are encoded in batches of about this many characters: big enough for encode_batch to
 # use every core, small enough to bound memory.
 _ENCODE_BATCH_CHARS = 4 << 20
-SPLIT_RULE = ("val if int(sha256(f'{seed}:{name}')[:16], 16) / 2**64 < val_frac, else train; "
-              "if a split would be empty, the document with the smallest (for val) or largest "
-              "(for train) hash moves into it")
+# Documents longer than this are cut into chunks of at most this many UTF-8 bytes (at blank
+# lines, else line ends) before splitting: the split is decided per chunk, so a corpus of a few
+# large files (novels, a single file) gets a validation split of the size asked for, instead of
+# whole files (two novels and val_frac 0.02 gave 42% of the tokens to val). About a page of
+# text: a 100 KB file still holds 25 chunks, and a val chunk is a few paragraphs of context.
+CHUNK_BYTES = 4096
+# A realised validation fraction (of the bytes) further than this factor from val_frac is an
+# error, once the corpus holds enough chunks to expect it: with fewer than MIN_VAL_CHUNKS expected
+# in val, chunks of unequal sizes (a 100-byte file beside a 4 KB one) can put the byte fraction
+# anywhere, and the deviation is only noted.
+SPLIT_TOLERANCE = 2.0
+MIN_VAL_CHUNKS = 8
+SPLIT_RULE = ("documents over chunk_bytes are cut into chunks of at most chunk_bytes UTF-8 bytes at "
+              "blank lines (else line ends); numbering the chunks j = 0, 1, ... in corpus order, with "
+              "v = int(sha256(f'{seed}:split')[:16], 16) / 2**64, chunk j is val if "
+              "floor((j+1)*val_frac + v) > floor(j*val_frac + v), else train: every 1/val_frac-th "
+              "chunk, so val holds floor or ceil of val_frac of the chunks; consecutive chunks of one "
+              "split stay one document; if a split would be empty, chunk N//2 (for val) or 0 (for "
+              "train) moves into it")
 
 ProgressFn = Callable[[str, int, int | None], None]
 """``progress(stage, done_bytes, total_bytes or None)``, called as each stage advances."""
@@ -81,7 +112,7 @@ class DocumentSource(Protocol):
 def prepare(
     source: str | DocumentSource,
     out_dir: str | Path,
-    vocab_size: int = 4096,
+    vocab_size: int | None = None,
     fmt: str = "auto",
     field: str = "text",
     val_frac: float = 0.02,
@@ -92,8 +123,15 @@ def prepare(
     overwrite: bool = False,
     progress: ProgressFn | None = None,
     encoding: str = DEFAULT_ENCODING,
+    tokenizer: str | Path | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into ``out_dir`` and return the manifest that was written.
+
+    ``tokenizer``: reuse an existing tokenizer instead of training one (a prepared data
+    directory, a run or checkpoint directory, or a ``tokenizer.json``; see
+    :func:`archlab.data.tokenizer.find_tokenizer`), so that a model can be measured on a corpus
+    it never saw; its file is copied byte for byte, so the data's tokenizer sha256 equals the
+    checkpoint's. ``vocab_size`` (default 4096) applies only when a tokenizer is trained.
 
     ``source``/``fmt``/``field``/``split``/``max_bytes``/``encoding`` choose the corpus (see
     :func:`archlab.data.sources.open_source`; ``max_bytes=None`` means 8 MB for ``stdlib`` and
@@ -109,6 +147,14 @@ def prepare(
     so ``fmt``/``field``/``split``/``max_bytes``/``encoding`` must then keep their defaults.
     """
     started = time.perf_counter()
+    reuse: Path | None = None
+    if tokenizer is not None:
+        if vocab_size is not None:
+            raise DataError("--vocab-size applies to a tokenizer trained here; a reused --tokenizer "
+                            "keeps its own vocabulary")
+        reuse = find_tokenizer(tokenizer)
+        load_reusable_tokenizer(reuse)  # a wrong kind of tokenizer fails before any reading
+    vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
     _check_args(vocab_size, val_frac, seed, shard_tokens)
     out = Path(out_dir)
     check_destination(out, overwrite)
@@ -124,18 +170,24 @@ def prepare(
     report = progress or (lambda stage, done, total: None)
 
     with _full_disk_is_a_data_error(out):
-        return _build(src, out, vocab_size, val_frac, seed, shard_tokens, report, started)
+        return _build(src, out, vocab_size, val_frac, seed, shard_tokens, report, started, reuse)
 
 
 def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, seed: int,
-           shard_tokens: int, report: ProgressFn, started: float) -> dict[str, Any]:
-    """The three passes: split, tokenizer, shards in a temporary directory moved into place."""
+           shard_tokens: int, report: ProgressFn, started: float, reuse: Path | None) -> dict[str, Any]:
+    """The three passes: split, tokenizer (unless reused), shards in a temporary directory
+    moved into place."""
     plan = _scan(src, seed, val_frac, report)
-    tokenizer = train_bpe(
-        (text for name, text in _tracked(src, "training tokenizer", plan.total_bytes, report)
-         if plan.split_of(name) == "train"),
-        vocab_size,
-    )
+    if reuse is not None:
+        tokenizer = load_reusable_tokenizer(reuse)
+        vocab_size = tokenizer.get_vocab_size()
+    else:
+        tokenizer = train_bpe(
+            (text for _, text, split in _pieces(_tracked(src, "training tokenizer", plan.total_bytes, report),
+                                                plan)
+             if split == "train"),
+            vocab_size,
+        )
     actual_vocab = tokenizer.get_vocab_size()
     dtype = np.dtype(np.uint16 if actual_vocab <= 1 << 16 else np.uint32)
 
@@ -145,13 +197,18 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
     index: TextIO | None = None
     try:
         tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stick to the final directory
-        tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
+        if reuse is not None:
+            with _naming(tmp / TOKENIZER_FILE):
+                shutil.copyfile(reuse, tmp / TOKENIZER_FILE)  # the same bytes, so the same sha256
+            tokenizer_sha = file_sha256(tmp / TOKENIZER_FILE)
+        else:
+            tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
         index = open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         with _naming(tmp / DOCUMENTS_FILE):
-            for batch in _batches(_tracked(src, "encoding", plan.total_bytes, report)):
-                encodings = tokenizer.encode_batch([text for _, text in batch])
-                for (name, text), enc in zip(batch, encodings, strict=True):
-                    writer = writers[plan.split_of(name)]
+            for batch in _batches(_pieces(_tracked(src, "encoding", plan.total_bytes, report), plan)):
+                encodings = tokenizer.encode_batch([text for _, text, _ in batch])
+                for (name, text, split), enc in zip(batch, encodings, strict=True):
+                    writer = writers[split]
                     ids = np.asarray([*enc.ids, EOS_ID], dtype=dtype)
                     n_bytes = text_bytes(text)  # UTF-8 of the decoded text: see text_bytes
                     index.write(json.dumps({"split": writer.split, "offset": writer.n_tokens,
@@ -165,11 +222,14 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "sources": _describe(src),
             "tokenizer": {"file": TOKENIZER_FILE, "sha256": tokenizer_sha, "kind": "byte-level BPE",
-                          "eos_token": EOS_TOKEN, "eos_id": EOS_ID},
+                          "eos_token": EOS_TOKEN, "eos_id": EOS_ID,
+                          **({"reused_from": str(reuse.resolve())} if reuse is not None else {})},
             "vocab_size": actual_vocab,
             "vocab_size_requested": vocab_size,
             "dtype": dtype.name,
-            "split": {"rule": SPLIT_RULE, "seed": seed, "val_frac": val_frac},
+            "split": {"rule": SPLIT_RULE, "seed": seed, "val_frac": val_frac, "chunk_bytes": plan.chunk_bytes,
+                      "val_frac_realised": round(plan.val_fraction(), 6), "val_chunks": plan.chunks["val"],
+                      "train_chunks": plan.chunks["train"], **({"note": plan.note} if plan.note else {})},
             "splits": {s: w.close() for s, w in writers.items()},
             "documents": DOCUMENTS_FILE,
             "prepare_seconds": round(time.perf_counter() - started, 2),
@@ -328,48 +388,147 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
 # The split
 # --------------------------------------------------------------------------------------------
 def split_hash(seed: int, name: str) -> float:
-    """A number in [0, 1) fixed by (seed, document name), independent of corpus order or size."""
+    """A number in [0, 1) fixed by (seed, name): the phase of the split (name "split")."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
+def chunk_text(text: str, limit: int = CHUNK_BYTES) -> list[str]:
+    """``text`` cut into pieces of at most ``limit`` UTF-8 bytes whose concatenation is ``text``.
+
+    Pieces end at paragraph boundaries (after a blank line) where they can; a paragraph longer
+    than ``limit`` is cut after line ends, and a line longer than that between characters.
+    Whole paragraphs are packed greedily, so pieces are close to ``limit``.
+    """
+    if len(text.encode("utf-8")) <= limit:
+        return [text]
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for unit in _units(text, limit):
+        n = len(unit.encode("utf-8"))
+        if current and size + n > limit:
+            chunks.append("".join(current))
+            current, size = [], 0
+        current.append(unit)
+        size += n
+    if current:
+        chunks.append("".join(current))
+    return chunks
+
+
+def _units(text: str, limit: int) -> Iterator[str]:
+    """Paragraphs (with their trailing blank lines), else lines, else slices, each <= limit bytes."""
+    for paragraph in re.findall(r".*?\n(?:[ \t]*\n)+|.+", text, flags=re.S):
+        if len(paragraph.encode("utf-8")) <= limit:
+            if paragraph:
+                yield paragraph
+            continue
+        for line in paragraph.splitlines(keepends=True):
+            if len(line.encode("utf-8")) <= limit:
+                yield line
+                continue
+            step = max(1, limit // 4)  # a character is at most 4 UTF-8 bytes
+            for i in range(0, len(line), step):
+                yield line[i:i + step]
+
+
 @dataclass
 class _SplitPlan:
-    """The split of every document: the hash rule plus the few documents moved to fill a split."""
+    """The split of every chunk: the systematic rule plus the chunk moved to fill an empty split."""
 
     seed: int
     val_frac: float
+    chunk_bytes: int = CHUNK_BYTES
     total_bytes: int = 0
-    forced: dict[str, str] = field(default_factory=dict)
+    forced: dict[int, str] = field(default_factory=dict)
+    split_bytes: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
+    chunks: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
+    note: str | None = None
 
-    def split_of(self, name: str) -> str:
-        if name in self.forced:
-            return self.forced[name]
-        return "val" if split_hash(self.seed, name) < self.val_frac else "train"
+    def __post_init__(self) -> None:
+        self._phase = split_hash(self.seed, "split")
+
+    def split_of(self, index: int) -> str:
+        """The split of chunk ``index`` (counted from the start of the corpus).
+
+        A systematic sample rather than a coin per chunk: every ``1/val_frac``-th chunk, at a
+        phase set by the seed, so val gets floor or ceil of ``val_frac`` of the chunks whatever
+        the corpus, spread evenly over it (independent coins left a 600 KB corpus with 1 val
+        chunk where 3.4 were expected). A chunk's split depends only on its position, so a
+        longer prefix of a corpus (``--max-mb``) keeps the split of a shorter one.
+        """
+        if index in self.forced:
+            return self.forced[index]
+        f, v = self.val_frac, self._phase
+        return "val" if math.floor((index + 1) * f + v) > math.floor(index * f + v) else "train"
+
+    def val_fraction(self) -> float:
+        return self.split_bytes["val"] / max(1, self.total_bytes)
+
+
+def _pieces(docs: Iterator[tuple[str, str]], plan: _SplitPlan) -> Iterator[tuple[str, str, str]]:
+    """``(name, text, split)`` of each document, cut into chunks and split by ``plan``; the
+    consecutive chunks of one split are joined again, so a document with no val chunk stays
+    whole and the training text is cut only where validation text was taken out."""
+    first = 0  # the corpus-wide number of the document's first chunk
+    for name, text in docs:
+        chunks = chunk_text(text, plan.chunk_bytes)
+        splits = [plan.split_of(first + i) for i in range(len(chunks))]
+        first += len(chunks)
+        start = 0
+        for i in range(1, len(chunks) + 1):
+            if i == len(chunks) or splits[i] != splits[start]:
+                piece = name if (start, i) == (0, len(chunks)) else f"{name}#{start}-{i - 1}"
+                yield piece, "".join(chunks[start:i]), splits[start]
+                start = i
 
 
 def _scan(src: DocumentSource, seed: int, val_frac: float, report: ProgressFn) -> _SplitPlan:
-    """Read the corpus once to size it and make sure both splits get at least one document."""
+    """Read the corpus once: size it, make sure both splits get at least one chunk, and check
+    that the validation split is near the fraction asked for."""
     plan = _SplitPlan(seed, val_frac)
-    counts = {"train": 0, "val": 0}
-    lowest: tuple[float, str] | None = None
-    highest: tuple[float, str] | None = None
-    for name, text in src.documents():
-        u = split_hash(seed, name)
-        counts[plan.split_of(name)] += 1
-        lowest = min(lowest, (u, name)) if lowest else (u, name)
-        highest = max(highest, (u, name)) if highest else (u, name)
-        plan.total_bytes += text_bytes(text)
+    sizes = array.array("q")  # bytes of every chunk, for the one that may move
+    for _, text in src.documents():
+        for chunk in chunk_text(text, plan.chunk_bytes):
+            n = text_bytes(chunk)
+            split = plan.split_of(len(sizes))
+            plan.chunks[split] += 1
+            plan.split_bytes[split] += n
+            plan.total_bytes += n
+            sizes.append(n)
         report("reading", plan.total_bytes, None)
-    n_docs = counts["train"] + counts["val"]
-    if n_docs < 2 or lowest is None or highest is None:
-        raise DataError(f"data source {src.spec!r} ({src.path}) has {n_docs} non-empty "
-                        "document(s); at least 2 are needed (one for train, one for val)")
-    if counts["val"] == 0:
-        plan.forced[lowest[1]] = "val"
-    if counts["train"] == 0:
-        plan.forced[highest[1]] = "train"
+    if len(sizes) < 2:
+        raise DataError(f"data source {src.spec!r} ({src.path}) has {len(sizes)} non-empty document "
+                        f"chunk(s) of up to {plan.chunk_bytes} bytes; at least 2 are needed (one for "
+                        "train, one for val)")
+    for split, index in (("val", len(sizes) // 2), ("train", 0)):
+        if plan.chunks[split] == 0:
+            other = "train" if split == "val" else "val"
+            plan.forced[index] = split
+            plan.chunks[split], plan.chunks[other] = 1, plan.chunks[other] - 1
+            plan.split_bytes[split] += sizes[index]
+            plan.split_bytes[other] -= sizes[index]
+    _check_fraction(plan, src)
     return plan
+
+
+def _check_fraction(plan: _SplitPlan, src: DocumentSource) -> None:
+    """A validation split more than SPLIT_TOLERANCE times off val_frac is an error; in a corpus
+    too small to expect MIN_VAL_CHUNKS val chunks it is only noted."""
+    got, asked = plan.val_fraction(), plan.val_frac
+    if asked / SPLIT_TOLERANCE <= got <= asked * SPLIT_TOLERANCE:
+        return
+    n_chunks = plan.chunks["train"] + plan.chunks["val"]
+    what = (f"the validation split is {got:.2%} of the text of {src.spec!r} ({plan.chunks['val']} of "
+            f"{n_chunks} chunks of up to {plan.chunk_bytes} bytes), more than {SPLIT_TOLERANCE:g}x from "
+            f"--val-frac {asked:g}")
+    if n_chunks * asked < MIN_VAL_CHUNKS:
+        plan.note = (f"{what}: the corpus is too small (fewer than {MIN_VAL_CHUNKS} val chunks "
+                     "expected) for the split to follow the fraction")
+        return
+    raise DataError(f"{what}; another --seed or a --val-frac nearer {got:.3g} gives an honest split "
+                    "(the chunks that fell to val are much smaller or larger than the rest)")
 
 
 def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) -> Iterator[tuple[str, str]]:
@@ -380,8 +539,8 @@ def _tracked(src: DocumentSource, stage: str, total: int, report: ProgressFn) ->
         report(stage, done, total)
 
 
-def _batches(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
-    batch: list[tuple[str, str]] = []
+def _batches(docs: Iterator[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
+    batch: list[tuple[str, str, str]] = []
     size = 0
     for doc in docs:
         batch.append(doc)

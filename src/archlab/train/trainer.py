@@ -117,6 +117,7 @@ class Run:
         self.step_fn = torch.compile(self.model) if tc.compile else self.model
         self.graphed = GraphedStep(self._update, self.opt, self.device) if tc.cuda_graph else None
         self.step = 0
+        self.last_eval = None  # the latest evaluate()'s CorpusScore
 
     # The whole training step. Returns the loss as a tensor: reading it would make the host wait
     # for the device, so the loop reads it one step later, while the next step is already queued.
@@ -148,17 +149,20 @@ class Run:
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        """Mean readout NLL (nats/token) and bits per byte on a fixed set of validation windows."""
+        """Mean readout NLL (nats/token) and bits per byte on a fixed set of validation windows.
+
+        Bits per byte divides by the bytes of exactly the scored tokens; a split shorter than
+        train.eval_batches asks for is scored once, not wrapped, and said so once on stderr.
+        ``last_eval`` keeps the full measurement (tokens and bytes scored)."""
+        from archlab.eval.corpus import clipped_note, score_validation
+
         tc = self.cfg.train
-        self.model.eval()
-        losses = []
-        for x, y in self.data.val_batches(tc.eval_batches, tc.batch_size, tc.seq_len):
-            with self.autocast:
-                out = self.model(x.to(self.device), y.to(self.device))
-            losses.append(float(out.nll))
-        self.model.train()
-        loss = sum(losses) / len(losses)
-        return loss, loss / math.log(2) / self.data.bytes_per_token("val")
+        score = score_validation(self.model, self.data, tc.eval_batches, tc.batch_size, tc.seq_len,
+                                 device=self.device, autocast=lambda: self.autocast)
+        if score.clipped and self.last_eval is None:
+            _to_stderr(clipped_note(score, self.data.path) + "; lower train.eval_batches to silence this")
+        self.last_eval = score
+        return score.loss, score.bpb
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -356,7 +360,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
             if run.step % tc.eval_every == 0 or run.step == tc.steps:
                 vl, bpb = run.evaluate()
                 log.write({"kind": "val", "step": run.step, "tokens": run.step * tc.tokens_per_step,
-                           "loss": vl, "bpb": bpb})
+                           "loss": vl, "bpb": bpb, "val_tokens": run.last_eval.tokens})
                 bar.note(f"val {vl:.3f}")
             if run.step % tc.ckpt_every == 0 or run.step == tc.steps:
                 run.save(run.step)

@@ -1,0 +1,116 @@
+"""Loss and bits per byte of a model on the validation split of a prepared data directory.
+
+    from archlab.eval.corpus import evaluate_checkpoint_on
+    evaluate_checkpoint_on("data/shakespeare", "runs/tiny")
+    # {"loss": 3.91, "bpb": 1.62, "tokens": 32768, "bytes": 121412, "tokens_requested": 32768, ...}
+
+Bits per byte is ``sum(loss in nats over the scored targets) / ln 2 / sum(bytes of those
+targets)``: the bytes are those of exactly the tokens scored (``TokenData.target_bytes``), not the
+split's average bytes per token, which misstates a prefix of the split by however much that
+prefix's tokens differ from the average (a few percent on real corpora). The loss is the mean
+over scored target tokens, each counted once: windows never wrap past the end of the split
+(``TokenData.val_batches``), and ``tokens`` says how many were scored.
+
+A checkpoint is measured on another corpus only when that corpus was tokenized with the
+checkpoint's own tokenizer (``archlab data prepare --tokenizer CKPT``): the same ids with another
+vocabulary would be a meaningless number, so a mismatch is one ``DataError`` line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from archlab.errors import DataError, UsageError
+
+
+@dataclass(frozen=True)
+class CorpusScore:
+    """What one evaluation on a validation split measured."""
+
+    loss: float  # mean negative log-likelihood, nats per scored target token
+    bpb: float  # bits per UTF-8 byte of the scored targets' text
+    tokens: int  # target tokens scored
+    bytes: int  # UTF-8 bytes those targets stand for (end-of-text separators count 0)
+    tokens_requested: int  # batches * batch_size * seq_len asked for; more than ``tokens`` when
+    # the split ended first
+
+    @property
+    def clipped(self) -> bool:
+        """The split was shorter than the evaluation asked for (and was not wrapped)."""
+        return self.tokens < self.tokens_requested
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_size: int, seq_len: int, *,
+                     device: torch.device | str = "cpu",
+                     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> CorpusScore:
+    """Loss and bits per byte of ``model`` on the first validation windows of ``data`` (a
+    ``TokenData``). The model is left in the train/eval mode it came in."""
+    was_training = model.training
+    model.eval()
+    nats, tokens, n_bytes = 0.0, 0, 0
+    try:
+        for x, y in data.val_batches(n_batches, batch_size, seq_len):
+            with autocast():
+                out = model(x.to(device), y.to(device))
+            # nll is the mean over this batch's targets; the last batch may be smaller, so
+            # weight by its size to get the mean over all scored tokens.
+            nats += float(out.nll) * y.numel()
+            tokens += y.numel()
+            n_bytes += data.target_bytes(y)
+    finally:
+        model.train(was_training)
+    return CorpusScore(loss=nats / tokens, bpb=nats / math.log(2) / n_bytes, tokens=tokens, bytes=n_bytes,
+                       tokens_requested=n_batches * batch_size * seq_len)
+
+
+def clipped_note(score: CorpusScore, data_path: str | Path) -> str:
+    """One line saying that the split ended before the requested evaluation did."""
+    return (f"the val split of {data_path} holds fewer tokens than the {score.tokens_requested:,} asked "
+            f"for; scored {score.tokens:,} (each once, not wrapped)")
+
+
+def check_same_tokenizer(ckpt: Path, data: Any) -> None:
+    """Refuse data tokenized with another tokenizer than the checkpoint's ``tokenizer.json``."""
+    from archlab.data.tokenizer import file_sha256
+
+    tok = Path(ckpt) / "tokenizer.json"
+    if tok.is_file() and file_sha256(tok) != file_sha256(data.tokenizer_path):
+        raise DataError(f"the data in {data.path} was tokenized with another tokenizer than checkpoint "
+                        f"{ckpt} was trained with; prepare it with the checkpoint's tokenizer: "
+                        f"`archlab data prepare --tokenizer {ckpt} --source ... --out ...`")
+
+
+def evaluate_checkpoint_on(data_dir: str | Path | None, ckpt: str | Path, *, batches: int = 16,
+                           batch_size: int = 8, seq_len: int | None = None,
+                           device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Loss and bits per byte of checkpoint ``ckpt`` (a run or checkpoint directory) on the
+    validation split of ``data_dir`` (None: the data it was trained on).
+
+    Returns ``{"loss", "bpb", "tokens", "bytes", "tokens_requested", "checkpoint", "data"}``.
+    ``seq_len`` defaults to the training sequence length. The data must have been tokenized with
+    the checkpoint's tokenizer; anything else is a ``DataError``.
+    """
+    from archlab.data.loader import TokenData
+    from archlab.io.checkpoint import load_model
+
+    model, cfg, ckpt_dir = load_model(ckpt, device)
+    data = TokenData(data_dir if data_dir is not None else cfg.data.path)
+    data.check_model_vocab(cfg.model.vocab_size)
+    check_same_tokenizer(ckpt_dir, data)
+    seq = seq_len or cfg.train.seq_len
+    if seq > cfg.model.max_seq_len:
+        raise UsageError(f"--seq-len must be at most the model's context of {cfg.model.max_seq_len} tokens, "
+                         f"got {seq}")
+    score = score_validation(model, data, batches, batch_size, seq, device=device)
+    return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path)}
