@@ -391,7 +391,12 @@ def read_linux_doc(root: Path) -> Iterator[Document]:
 _HTML_SKIP = frozenset({"script", "style", "nav", "form", "noscript", "template", "svg", "head",
                         "button", "select", "textarea"})
 _HTML_SKIP_CLASSES = frozenset({"headerlink", "related", "sphinxsidebar", "footer", "mobile-nav",
-                                "menu-wrapper", "clearer", "copybutton", "inline-search"})
+                                "menu-wrapper", "clearer", "copybutton", "inline-search",
+                                # en-large's manuals: Racket's table-of-contents and navigation
+                                # bars, Qt's sidebar and page links, Erlang's top bar and title
+                                # anchors; each repeats on every page
+                                "tocset", "navsettop", "navsetbottom", "navigationbar", "sidebar",
+                                "naviNextPrevious", "topbar", "title-anchors"})
 _HTML_PARAGRAPH = frozenset({"p", "div", "section", "article", "h1", "h2", "h3", "h4", "h5", "h6",
                              "pre", "table", "ul", "ol", "dl", "blockquote", "hr", "figure",
                              "main", "header", "aside", "details", "summary"})
