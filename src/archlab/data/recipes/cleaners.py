@@ -396,7 +396,9 @@ _HTML_SKIP_CLASSES = frozenset({"headerlink", "related", "sphinxsidebar", "foote
                                 # bars, Qt's sidebar and page links, Erlang's top bar and title
                                 # anchors; each repeats on every page
                                 "tocset", "navsettop", "navsetbottom", "navigationbar", "sidebar",
-                                "naviNextPrevious", "topbar", "title-anchors"})
+                                "naviNextPrevious", "topbar", "title-anchors",
+                                # DocBook pages (PostgreSQL, GnuCash, GIMP, the Debian handbook)
+                                "navheader", "navfooter", "docnav"})
 _HTML_PARAGRAPH = frozenset({"p", "div", "section", "article", "h1", "h2", "h3", "h4", "h5", "h6",
                              "pre", "table", "ul", "ol", "dl", "blockquote", "hr", "figure",
                              "main", "header", "aside", "details", "summary"})
