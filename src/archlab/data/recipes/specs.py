@@ -94,8 +94,10 @@ class Recipe:
 
     def source_label(self) -> str:
         if self.is_mix:
-            return " + ".join(c.recipe + (f" ({c.max_bytes / 1e6:g} MB)" if c.max_bytes else "")
-                              for c in self.components)
+            parts = [c.recipe + (f" ({c.max_bytes / 1e6:g} MB)" if c.max_bytes else "") for c in self.components]
+            if len(parts) > 8:  # a long mix: the listing names its first and last parts
+                return f"{len(parts)} recipes: " + ", ".join(parts[:3]) + ", ..., " + parts[-1]
+            return " + ".join(parts)
         if self.package is None:
             return f"local: the running Python's standard library ({platform.python_version()})"
         return self.package.label()
