@@ -637,12 +637,17 @@ def clean_pod(text: str) -> str:
     return tidy("\n\n".join(p for p in out if p.strip()))
 
 
+_PERL_TRANSLATIONS = frozenset({"perlcn", "perljp", "perlko", "perltw"})
+
+
 def read_perl_doc(root: Path) -> Iterator[Document]:
     """Perl 5.36's own manual (``usr/share/perl/5.36.0/pod/*.pod``: perlfunc, perlre, the FAQ,
-    the tutorials, the delta notes), one document per page, sorted by name."""
+    the tutorials, the delta notes; not the translated introductions), one document per page,
+    sorted by name."""
     base = root / "usr" / "share" / "perl" / "5.36.0" / "pod"
-    files = _require(sorted(base.glob("*.pod"), key=lambda p: p.name), "usr/share/perl/5.36.0/pod/*.pod",
-                     root)
+    # perlcn, perljp, perlko and perltw are the introductions in Chinese, Japanese and Korean
+    files = _require(sorted((p for p in base.glob("*.pod") if p.stem not in _PERL_TRANSLATIONS),
+                            key=lambda p: p.name), "usr/share/perl/5.36.0/pod/*.pod", root)
     for path in files:
         yield f"perl-doc/{path.name.removesuffix('.pod')}", clean_pod(decode_text(_read_bytes(path)))
 
