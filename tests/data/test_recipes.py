@@ -118,7 +118,8 @@ def test_code_mix_and_stdlib(offline: list[str], tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-def test_cli_lists_every_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_lists_every_recipe(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # rich tables unwrapped
     assert run_cli(["data", "recipes"]) == 0
     out = capsys.readouterr().out
     for name in RECIPES:

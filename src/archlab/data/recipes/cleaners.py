@@ -391,7 +391,14 @@ def read_linux_doc(root: Path) -> Iterator[Document]:
 _HTML_SKIP = frozenset({"script", "style", "nav", "form", "noscript", "template", "svg", "head",
                         "button", "select", "textarea"})
 _HTML_SKIP_CLASSES = frozenset({"headerlink", "related", "sphinxsidebar", "footer", "mobile-nav",
-                                "menu-wrapper", "clearer", "copybutton", "inline-search"})
+                                "menu-wrapper", "clearer", "copybutton", "inline-search",
+                                # en-large's manuals: Racket's table-of-contents and navigation
+                                # bars, Qt's sidebar and page links, Erlang's top bar and title
+                                # anchors; each repeats on every page
+                                "tocset", "navsettop", "navsetbottom", "navigationbar", "sidebar",
+                                "naviNextPrevious", "topbar", "title-anchors",
+                                # DocBook pages (PostgreSQL, GnuCash, GIMP, the Debian handbook)
+                                "navheader", "navfooter", "docnav"})
 _HTML_PARAGRAPH = frozenset({"p", "div", "section", "article", "h1", "h2", "h3", "h4", "h5", "h6",
                              "pre", "table", "ul", "ol", "dl", "blockquote", "hr", "figure",
                              "main", "header", "aside", "details", "summary"})
@@ -405,9 +412,10 @@ class _HTMLText(HTMLParser):
     Sphinx does), without scripts, styles, navigation, forms and permalink marks; paragraphs
     separated by blank lines, list items on their own lines (``- ``), ``<pre>`` kept verbatim."""
 
-    def __init__(self, main_only: bool) -> None:
+    def __init__(self, main_only: bool, drop_pre: bool = False) -> None:
         super().__init__(convert_charrefs=True)
         self.main_only = main_only
+        self.drop_pre = drop_pre
         self.capturing = not main_only
         self.main_depth = 0  # elements open inside the main container
         self.skip: list[str] = []  # the open elements of a skipped subtree
@@ -451,7 +459,8 @@ class _HTMLText(HTMLParser):
             self.skip.append(tag)
             return
         classes = set((a.get("class") or "").split())
-        if tag in _HTML_SKIP or classes & _HTML_SKIP_CLASSES or a.get("role") == "navigation":
+        if tag in _HTML_SKIP or classes & _HTML_SKIP_CLASSES or a.get("role") == "navigation" \
+                or (self.drop_pre and tag == "pre"):
             self.skip.append(tag)
         elif tag == "pre":
             self._break(2)
@@ -500,10 +509,11 @@ class _HTMLText(HTMLParser):
         return tidy("".join(self.out))
 
 
-def html_to_text(page: str) -> str:
-    """The readable text of an HTML page (see :class:`_HTMLText`)."""
+def html_to_text(page: str, drop_pre: bool = False) -> str:
+    """The readable text of an HTML page (see :class:`_HTMLText`); ``drop_pre`` leaves out
+    ``<pre>`` blocks (code listings and signatures) for corpora meant to be prose."""
     main_only = re.search(r"""role=["']main["']""", page) is not None
-    parser = _HTMLText(main_only)
+    parser = _HTMLText(main_only, drop_pre)
     parser.feed(page)
     parser.close()
     return parser.text()
@@ -533,3 +543,130 @@ def read_stdlib(root: Path) -> Iterator[Document]:
     del root
     yield from open_source("stdlib", max_bytes=0).documents()
 
+
+
+# --------------------------------------------------------------------------------------------
+# en-large sources: plain dictd dictionaries, POD (perl-doc), trees of HTML manuals
+# --------------------------------------------------------------------------------------------
+def clean_dict_entry(raw: str, unwrap: bool) -> str:
+    """A plain dictd entry (FOLDOC, the Jargon File, the Devil's Dictionary): {cross reference}
+    braces removed, lines dedented; ``unwrap`` joins each paragraph's lines (FOLDOC's dictd
+    conversion re-wrapped its lines and left the overflow at column 0)."""
+    lines = [re.sub(r"[ \t]+", " ", ln).strip() for ln in raw.replace("{", "").replace("}", "").split("\n")]
+    if unwrap:
+        paragraphs = "\n".join(lines).split("\n\n")
+        lines = [" ".join(p.split("\n")).strip() for p in paragraphs]
+        return tidy("\n\n".join(p for p in lines if p))
+    return tidy("\n".join(lines))
+
+
+def read_dict_plain(root: Path, db: str, prefix: str, unwrap: bool = False,
+                    block_bytes: int = DICT_BLOCK_BYTES) -> Iterator[Document]:
+    """The entries of ``usr/share/dictd/<db>.{index,dict.dz}`` in file order, cleaned by
+    :func:`clean_dict_entry`, in blocks of about ``block_bytes`` named ``prefix/NNNNN word``."""
+    base = root / "usr" / "share" / "dictd"
+    index, data = base / f"{db}.index", base / f"{db}.dict.dz"
+    if not (index.is_file() and data.is_file()):
+        _require([], f"usr/share/dictd/{db}.index and {db}.dict.dz", root)
+    entries = read_dictd(_read_bytes(index), _read_bytes(data), str(data))
+    yield from _blocks(((words[0], clean_dict_entry(raw, unwrap)) for words, raw in entries), prefix,
+                       block_bytes)
+
+
+# POD formatting codes: X<> (index entries) and Z<> vanish, E<> are character escapes, L<> keeps
+# its text (or the page it names), the others (B, I, C, F, S) keep their content.
+_POD_ESCAPES = {"lt": "<", "gt": ">", "verbar": "|", "sol": "/", "quot": '"', "amp": "&",
+                "apos": "'", "nbsp": "\u00a0", "copy": "\u00a9", "eacute": "\u00e9"}
+_POD_DOUBLE = re.compile(r"([A-Z])<{2,}\s+(.*?)\s+>{2,}", re.S)
+_POD_SINGLE = re.compile(r"([A-Z])<([^<>]*)>")
+
+
+def _pod_code(m: re.Match[str]) -> str:
+    code, body = m.group(1), m.group(2)
+    if code in "XZ":
+        return ""
+    if code == "E":
+        if body.isdigit():
+            return chr(int(body))
+        if body.lower().startswith("0x"):
+            return chr(int(body, 16))
+        return _POD_ESCAPES.get(body, "")
+    if code == "L":
+        text, bar, target = body.partition("|")
+        if bar:
+            return text
+        page, _, section = body.partition("/")
+        return section.strip('"') or page
+    return body
+
+
+def _pod_inline(text: str) -> str:
+    text = _POD_DOUBLE.sub(_pod_code, text)
+    while True:  # innermost codes first, until none is left
+        new = _POD_SINGLE.sub(_pod_code, text)
+        if new == text:
+            return new
+        text = new
+
+
+def clean_pod(text: str) -> str:
+    """Perl's POD as prose: headings and items kept as text lines, ordinary paragraphs unwrapped
+    with their formatting codes resolved; verbatim (indented) paragraphs, which are code and
+    shell sessions, and ``=begin``/``=for`` blocks for other formatters left out."""
+    out: list[str] = []
+    skipping = ""  # the format of an open =begin block
+    for para in re.split(r"\n[ \t]*\n", text):
+        if not para.strip():
+            continue
+        if para.startswith("="):
+            cmd, _, rest = para.partition(" ")
+            cmd = cmd.split("\n", 1)[0]
+            rest = " ".join(rest.split())
+            if cmd == "=begin":
+                skipping = rest.split(" ", 1)[0] or "?"
+            elif cmd == "=end":
+                skipping = ""
+            elif not skipping and cmd.startswith("=head") and rest:
+                out.append(_pod_inline(rest))
+            elif not skipping and cmd == "=item" and rest and rest not in ("*", "-", "o"):
+                out.append("- " + _pod_inline(rest.removeprefix("* ")))
+            continue
+        if skipping or para[0] in " \t":
+            continue
+        out.append(_pod_inline(" ".join(para.split())))
+    return tidy("\n\n".join(p for p in out if p.strip()))
+
+
+_PERL_TRANSLATIONS = frozenset({"perlcn", "perljp", "perlko", "perltw"})
+
+
+def read_perl_doc(root: Path) -> Iterator[Document]:
+    """Perl 5.36's own manual (``usr/share/perl/5.36.0/pod/*.pod``: perlfunc, perlre, the FAQ,
+    the tutorials, the delta notes; not the translated introductions), one document per page,
+    sorted by name."""
+    base = root / "usr" / "share" / "perl" / "5.36.0" / "pod"
+    # perlcn, perljp, perlko and perltw are the introductions in Chinese, Japanese and Korean
+    files = _require(sorted((p for p in base.glob("*.pod") if p.stem not in _PERL_TRANSLATIONS),
+                            key=lambda p: p.name), "usr/share/perl/5.36.0/pod/*.pod", root)
+    for path in files:
+        yield f"perl-doc/{path.name.removesuffix('.pod')}", clean_pod(decode_text(_read_bytes(path)))
+
+
+def read_html_pages(root: Path, prefix: str, base: str, skip: str | None = None,
+                    drop_pre: bool = True) -> Iterator[Document]:
+    """Every ``*.html`` (or ``.html.gz``, ``.htm``) page under ``root/base`` as text, one document
+    per page named ``prefix/<path under base>``, sorted by path; pages whose relative path matches
+    the regular expression ``skip`` (indexes, cross-reference listings, other languages) are left
+    out. ``drop_pre`` (the default here) leaves out ``<pre>`` blocks: these corpora are meant to
+    be prose, and the manuals' listings are code."""
+    folder = root / base
+    pattern = re.compile(skip) if skip else None
+    files = []
+    for path in folder.rglob("*"):
+        if not path.name.endswith((".html", ".html.gz", ".htm")) or not path.is_file():
+            continue
+        rel = path.relative_to(folder).as_posix()
+        if pattern is None or not pattern.search(rel):
+            files.append((rel, path))
+    for rel, path in _require(sorted(files), f"{base}/**/*.html files", root):
+        yield f"{prefix}/{rel.removesuffix('.gz')}", html_to_text(decode_text(_read_bytes(path)), drop_pre)

@@ -15,6 +15,12 @@ default of 8 MB.
 The first complete pass over a package's documents is saved in the cache as
 ``cleaned/<recipe>-<sha256[:16]>-<code>.jsonl``; later passes (``prepare`` reads its source
 three times) and later runs read that file instead of cleaning again.
+
+A recipe with ``dedup`` (``en-large``) drops every document whose normalized text (NFKC,
+casefolded, whitespace squeezed) an earlier document of the mix already had, across all its
+components: the first copy in mix order is kept. Packages repeat pages (licence texts, the same
+page in two manuals, empty stubs that differ only in their title), and a repeated document could
+land in both splits. The counts are recorded in the manifest's source entries.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import unicodedata
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -72,6 +79,8 @@ class RecipeSource:
     _chosen: dict[int, set[str] | None] = field(default_factory=dict, repr=False)
     _overall: set[str] | None = field(default=None, repr=False)
     _overall_done: bool = field(default=False, repr=False)
+    # per part: [documents dropped as duplicates, their bytes] (filled by the first full pass)
+    _dups: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.spec = f"recipe:{self.recipe.name}"
@@ -93,7 +102,7 @@ class RecipeSource:
     def describe(self) -> list[dict[str, Any]]:
         """One manifest ``sources`` entry per component: what was read and where it came from."""
         entries = []
-        for part in self.parts:
+        for i, part in enumerate(self.parts):
             r = part.recipe
             entry: dict[str, Any] = {
                 "spec": f"recipe:{r.name}",
@@ -108,6 +117,10 @@ class RecipeSource:
             }
             if self.recipe.is_mix:
                 entry["mix"] = self.recipe.name
+            if self.recipe.dedup:
+                entry["dedup"] = "exact: sha256 of NFKC-casefolded, whitespace-squeezed text; first copy kept"
+                if i in self._dups:
+                    entry["duplicates_dropped"], entry["duplicate_bytes_dropped"] = self._dups[i]
             if r.package is None:
                 entry["python"] = platform.python_version()
             entries.append(entry)
@@ -127,7 +140,10 @@ class RecipeSource:
 
     def _capped_parts(self) -> Iterator[Document]:
         seen: set[str] = set()
+        texts: set[bytes] = set()
+        dups: dict[int, list[int]] = {}
         for i, part in enumerate(self.parts):
+            dups[i] = [0, 0]
             if part.max_bytes is not None and i not in self._chosen:
                 self._chosen[i] = _sample(lambda p=part: _part_documents(p), part.max_bytes,
                                           f"component {part.recipe.name!r} of {self.recipe.name!r}")
@@ -138,7 +154,22 @@ class RecipeSource:
                 if name in seen:
                     raise DataError(f"recipe {self.recipe.name!r}: two documents are named {name!r}")
                 seen.add(name)
+                if self.recipe.dedup:
+                    key = text_key(text)
+                    if key in texts:
+                        dups[i][0] += 1
+                        dups[i][1] += text_bytes(text)
+                        continue
+                    texts.add(key)
                 yield name, text
+        self._dups = dups  # reached only by a complete pass
+
+
+def text_key(text: str) -> bytes:
+    """What two documents must share to count as duplicates: their text after NFKC, casefolding
+    and squeezing whitespace (so re-wrapped or re-indented copies match)."""
+    norm = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    return hashlib.sha256(norm.encode("utf-8")).digest()
 
 
 def _part_documents(part: RecipePart) -> Iterator[Document]:
