@@ -53,7 +53,8 @@ import numpy as np
 from scipy import stats as sps
 from scipy.optimize import brentq
 
-Verdict = Literal["better", "worse", "no significant difference", "insufficient seeds", "undetermined"]
+Verdict = Literal["better", "worse", "no significant difference", "insufficient seeds", "undetermined",
+                  "not valid: seeds changed after results"]  # the last: archlab.lab.stoprule
 Method = Literal["welch", "pooled (single seed)", "paired", "none"]
 Adjust = Literal["bonferroni", "holm"]
 ADJUSTMENTS: tuple[str, ...] = ("bonferroni", "holm")
