@@ -310,7 +310,7 @@ def compute_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
 def heldout_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     """In-distribution validation loss next to each extra corpus's (eval_data), mean over seeds,
     a variant's difference against the baseline's mean in brackets."""
-    corpora = list(data.suite.get("eval_data") or {})
+    corpora = sorted(data.suite.get("eval_data") or {})  # the stored suite is JSON with sorted keys anyway
     header = ["variant", "val loss (in distribution)"] + [f"{c} loss" for c in corpora]
     base = data.heldout.get(data.baseline.label, {})
     out = []

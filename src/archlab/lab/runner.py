@@ -59,6 +59,7 @@ from archlab.config import RunConfig
 from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.lab.claims import Owner, die_with_parent
 from archlab.lab.display import RUNS_DIR, SuiteEta, end_run, is_done, latest_train_record, make_progress
+from archlab.lab import heldout as _heldout
 from archlab.lab import latency as _latency
 from archlab.lab.fmt import duration, si
 from archlab.lab.plan import DataJob, Plan, PlannedRun
@@ -344,6 +345,7 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     trained = [r for r in runs if rows[r.run_id] is not None and rows[r.run_id].status == "finished"]
     downstream = _Downstream.open(plan, store, eval_fn, todo, trained)
     _prepare_missing(plan, todo, prepare_fn, console)
+    _heldout.precheck(plan)  # the suite's eval_data corpora: there, and tokenized as the runs are
     revision = code_revision()
     parallel = jobs > 1 and len(todo) > 1
     eta = SuiteEta(plan, {r.run_id: r for r in store.runs()}, todo, jobs if parallel else 1)
@@ -371,6 +373,7 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
                     break
                 if end.kind == "finished" and downstream is not None:
                     downstream.evaluate(run, progress)
+    _heldout.evaluate_missing(plan, store, runs, console)  # finished runs on the eval_data corpora
     # Outside the progress display (its refresh thread would share the CPU with wall-clock timings);
     # a session that stopped short is over, and measures next time.
     if tally.interrupted is None and not (session is not None and session.held_back):
