@@ -103,3 +103,24 @@ def test_a_corpus_with_another_tokenizer_fails_before_training(tmp_path: Path) -
         with pytest.raises(ConfigError, match="eval_data.wiki: .* another tokenizer"):
             run_suite(plan, store, list(plan.runs), train_fn=trainer, console=quiet())
     assert trainer.calls == []
+
+
+def test_heldout_rows_belong_to_finished_runs_and_are_never_replaced(tmp_path: Path) -> None:
+    import sqlite3
+
+    from archlab.lab.store import HeldoutRow
+    from tests.lab.test_lab_store import result, start
+
+    def row(run_id: str, loss: float) -> HeldoutRow:
+        return HeldoutRow(run_id=run_id, corpus="wiki", path="/w", tokenizer_sha="ab", loss=loss, bpb=1.0,
+                          batches=2, evaluated_at=1.0)
+
+    with ResultStore(tmp_path / "r.sqlite") as store:
+        store.start_run(start("a"))
+        store.start_run(start("b"))
+        store.finish_run("a", result(), final_val_loss=2.5, final_val_bpb=1.1)
+        store.add_heldout([row("a", 3.5)])
+        store.add_heldout([row("a", 9.9)])  # a second evaluation (another compare): the first stays
+        assert [(h.run_id, h.loss) for h in store.heldout()] == [("a", 3.5)]
+        with pytest.raises(sqlite3.IntegrityError, match="finished run"):
+            store.add_heldout([row("b", 3.0)])

@@ -103,9 +103,8 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from archlab.lab.display import plan_table
     from archlab.lab.runner import run_suite, suite_lock
     from archlab.lab.store import DB_NAME, ResultStore
-    from archlab.lab.suite import load_suite
-
     from archlab.lab.session import Session
+    from archlab.lab.suite import load_suite
 
     console = console or Console()
     session = Session(max_runs=getattr(args, "max_runs", None), seconds=getattr(args, "time_budget", None),

@@ -662,10 +662,11 @@ class ResultStore:
 
     # ---- extra evaluation corpora ---------------------------------------------------------------
     def add_heldout(self, rows: list[HeldoutRow]) -> None:
-        """Store finished runs' held-out losses, all in one transaction."""
+        """Store finished runs' held-out losses, all in one transaction. A (run, corpus) already
+        stored (by a compare sharing the suite directory) keeps its first result."""
         with self._transaction() as c:
             for r in rows:
-                c.execute("INSERT INTO heldout (run_id, corpus, path, tokenizer_sha, loss, bpb, batches, "
+                c.execute("INSERT OR IGNORE INTO heldout (run_id, corpus, path, tokenizer_sha, loss, bpb, batches, "
                           "evaluated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (r.run_id, r.corpus, r.path, r.tokenizer_sha, float(r.loss), float(r.bpb),
                            int(r.batches), float(r.evaluated_at)))
