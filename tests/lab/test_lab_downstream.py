@@ -88,7 +88,7 @@ def test_compare_evaluates_every_finished_run_once_and_reports(tmp_path: Path, m
     assert se[1] and d_rows[0][2] == f"{base:.4f} ± {se[0]:.4f}" and d_rows[0][1] == "3/3"
     md = (out / "report.md").read_text()
     assert "## Downstream" in md and "| piqa acc_norm (n=5) |" in md and "first 5 items per task" in md
-    assert (out / "report.html").read_text().count("<table>") == 3
+    assert (out / "report.html").read_text().count("<table>") == 4  # results, costs, downstream, compute
     shown = console.export_text()
     assert "downstream: piqa acc_norm" in shown and "lambada acc" in shown
 
@@ -214,10 +214,12 @@ def _downgrade_to_v1(db: Path) -> None:
     raw.execute("DROP TABLE downstream")  # its triggers go with it
     raw.execute("DROP TABLE claims")
     raw.execute("DROP TABLE latency")
+    raw.execute("DROP TABLE heldout")  # v5
     raw.execute("ALTER TABLE runs DROP COLUMN runs_at_once")
     plan = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
-    for key in ("tasks", "task_dir", "limit"):
+    for key in ("tasks", "task_dir", "limit", "adjust"):
         del plan["suite"]["eval"][key]
+    del plan["suite"]["eval_data"]
     raw.execute("UPDATE meta SET value = ? WHERE key = 'plan'", (json.dumps(plan),))
     raw.execute("PRAGMA user_version = 1")
     assert {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {"meta", "runs"}

@@ -308,6 +308,7 @@ def test_a_v3_database_migrates_to_v4_and_takes_latencies(tmp_path: Path) -> Non
     db = plan.out_dir / DB_NAME
     raw = sqlite3.connect(db, isolation_level=None)  # what a v3 archlab left: no latency table, older plan
     raw.execute("DROP TABLE latency")
+    raw.execute("DROP TABLE heldout")  # v5
     meta = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
     for key in ("measure", "prompt", "batches", "steps"):
         del meta["suite"]["costs"][key]
@@ -319,7 +320,7 @@ def test_a_v3_database_migrates_to_v4_and_takes_latencies(tmp_path: Path) -> Non
     md, _ = write_report(plan.out_dir)  # opens (and migrates) the old file and reports it
     assert "Measured latency: none (costs.measure auto measures runs trained on CUDA" in md.read_text()
     raw = sqlite3.connect(db)
-    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert [tuple(r) for r in raw.execute("SELECT * FROM runs ORDER BY run_id")] == before
     raw.close()
     done, running = plan.runs[0].run_id, plan.runs[3].run_id

@@ -68,7 +68,10 @@ def test_statistics_from_the_database(suite_dir: Path) -> None:
     assert [s.label for s in data.summaries] == ["llama", "lower-init", "same"]
     assert len(by["llama"].losses) == 3 and data.floor is not None and data.n_tests == 2
     assert by["lower-init"].comparison.verdict == "better"  # init_std 0.01 lowers the fake loss by 0.1
-    assert by["lower-init"].comparison.method == "welch"
+    # Variants have the baseline's seeds (one data order): complete pairs, so the paired test
+    # decides; Welch's is reported next to it.
+    assert by["lower-init"].comparison.method == "paired"
+    assert by["lower-init"].comparison.unpaired.method == "welch"
     assert by["same"].comparison.verdict == "no significant difference"
 
 
@@ -88,7 +91,7 @@ def test_report_files_and_inline_figures(suite_dir: Path) -> None:
         head, b64 = src.split(",", 1)
         assert head == "data:image/png;base64"
         assert base64.b64decode(b64).startswith(PNG)
-    assert page.tags.count("table") == 2 and "better" in "".join(page.text)
+    assert page.tags.count("table") == 3 and "better" in "".join(page.text)  # results, costs, compute
     if CHROMIUM.exists():
         _check_in_chromium(html, suite_dir)
 

@@ -53,6 +53,14 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="start over: move the suite directory's results and runs aside (needs --force "
                         "when there are any)")
     c.add_argument("--force", action="store_true", help="confirm --no-resume")
+    c.add_argument("--max-runs", type=positive_int, metavar="N",
+                   help="start at most N runs in this call; the rest are left for the next (exit 0)")
+    c.add_argument("--time-budget", type=positive_int, metavar="SECONDS",
+                   help="start a run only if it is expected to finish within SECONDS of this call's "
+                        "start (training time at the measured or estimated tokens/s; exit 0)")
+    c.add_argument("--amend-seeds", action="store_true",
+                   help="run a suite whose seeds changed after results anyway; its report then draws "
+                        "no verdicts (seeds are fixed before the runs)")
     c.set_defaults(func=run_compare)
 
     r = subparsers.add_parser("report", help="write report.md and report.html for a suite directory",
@@ -95,9 +103,12 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from archlab.lab.display import plan_table
     from archlab.lab.runner import run_suite, suite_lock
     from archlab.lab.store import DB_NAME, ResultStore
+    from archlab.lab.session import Session
     from archlab.lab.suite import load_suite
 
     console = console or Console()
+    session = Session(max_runs=getattr(args, "max_runs", None), seconds=getattr(args, "time_budget", None),
+                      amend_seeds=getattr(args, "amend_seeds", False))
     suite = load_suite(args.suite)
     out = Path(args.out) if args.out else Path("runs") / suite.name
     plan = build_plan(suite, out, args.overrides, costs_fn=costs_fn)
@@ -123,7 +134,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
             _start_over(plan.out_dir, args.force, console)
         with ResultStore(plan.out_dir / DB_NAME) as store:
             outcome = run_suite(plan, store, runs, train_fn=train_fn, prepare_fn=prepare_fn, console=console,
-                                jobs=getattr(args, "jobs", 1), measure_fn=measure_fn)
+                                jobs=getattr(args, "jobs", 1), measure_fn=measure_fn, session=session)
         md, html = write_report(plan.out_dir)
     print_report(plan.out_dir, console)
     busy = len(outcome.busy)
@@ -133,6 +144,8 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
                   + (f", {busy} left to the other {'process' if busy == 1 else 'processes'} "
                      f"training {'it' if busy == 1 else 'them'}" if busy else "")
                   + f"; report: {md} and {html}", highlight=False)
+    if session.summary():
+        console.print(session.summary(), highlight=False)
     return 0
 
 

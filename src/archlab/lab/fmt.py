@@ -58,3 +58,14 @@ def latency_device_text(row: "LatencyRow") -> str:
     device = row.device if m is None else f"cpu ({m['arch']}), {plural(int(m['threads']), 'thread')}"
     timer = "CUDA events" if row.timer == "cuda-events" else "CPU wall clock"
     return f"{device}, {row.dtype}, {timer}"
+
+
+def is_gpu(device: str | None) -> bool:
+    """Whether a trainer's device name is an accelerator: CPU names contain ``cpu`` (the trainer's
+    ``cpu (arch, N threads)``, tests' ``fake-cpu``); CUDA devices are named by their card."""
+    return bool(device) and "cpu" not in str(device).lower()
+
+
+def device_hours(device: str | None, wall_s: float | None) -> float:
+    """GPU-hours of one run: its wall time on a GPU (one device per run), none on a CPU."""
+    return (wall_s or 0.0) / 3600.0 if is_gpu(device) else 0.0

@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,9 @@ from rich.table import Table
 
 from archlab.errors import ArchlabError
 from archlab.lab.figures import fig_curves, fig_diffs, fig_latency, fig_tradeoff
-from archlab.lab.fmt import device_text, latency_device_text, plural, si
-from archlab.lab.stats import Comparison, compare, noise_floor
+from archlab.lab.fmt import device_hours, device_text, duration, latency_device_text, plural, si
+from archlab.lab.stats import POWER, Comparison, compare, decide_family, mde_paired, mde_unpaired, noise_floor
+from archlab.lab.stoprule import INVALID, seed_plan_changes
 from archlab.lab.latency import fmt_ms
 from archlab.lab.store import DB_NAME, DownstreamRow, LatencyRow, ResultStore, RunRow, display_status
 
@@ -130,6 +131,9 @@ class ReportData:
     alpha: float
     rows: list[RunRow]
     tasks: list[str] = field(default_factory=list)  # the suite's downstream tasks (eval.tasks)
+    adjust: str = "bonferroni"  # which adjusted p decides (eval.adjust)
+    seed_changes: list[dict[str, Any]] = field(default_factory=list)  # stoprule: seeds changed after results
+    heldout: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # label -> corpus -> losses
 
     @property
     def suite(self) -> dict[str, Any]:
@@ -162,6 +166,8 @@ def collect(store: ResultStore) -> ReportData:
     suite = plan["suite"]
     n_tests = max(1, len(suite["variants"]))
     alpha = float(suite["eval"]["alpha"])
+    adjust = suite["eval"].get("adjust", "bonferroni")
+    base_planned = sum(p["label"] == plan["labels"][0] for p in planned)
     rows = [by_id[p["run_id"]] for p in planned if p["run_id"] in by_id]
     # Downstream results for the suite's current tasks and item limit (a suite from before
     # downstream evaluation existed has neither).
@@ -189,14 +195,18 @@ def collect(store: ResultStore) -> ReportData:
                     break
         return out
 
-    def summary(label: str, base_losses: list[float] | None) -> LabelSummary:
+    def summary(label: str, base: LabelSummary | None) -> LabelSummary:
         mine = [p for p in planned if p["label"] == label]
         got = [by_id[p["run_id"]] for p in mine if p["run_id"] in by_id]
         done = [r for r in got if r.status == "finished"]
         losses = [r.final_val_loss for r in done]
         comp = None
-        if base_losses and losses:
-            comp = compare(base_losses, losses, n_tests, alpha)
+        if base is not None and base.losses and losses:
+            # Runs pair by (init seed, data seed): the same initialisation seed and batch order.
+            comp = compare(base.losses, losses, n_tests, alpha,
+                           baseline_keys=[(r.init_seed, r.data_seed) for r in base.finished],
+                           variant_keys=[(r.init_seed, r.data_seed) for r in done],
+                           planned=(base_planned, len(mine)))
         return LabelSummary(label=label, role=mine[0]["role"], planned=len(mine), finished=done,
                             diverged=sum(r.status == "diverged" for r in got),
                             running=sum(display_status(r, live) == "running" for r in got),
@@ -208,9 +218,20 @@ def collect(store: ResultStore) -> ReportData:
 
     labels = plan["labels"]
     base = summary(labels[0], None)
-    summaries = [base] + [summary(lbl, base.losses) for lbl in labels[1:]]
+    variants = [summary(lbl, base) for lbl in labels[1:]]
+    decided = decide_family([v.comparison for v in variants], n_tests, alpha, adjust)
+    changes = seed_plan_changes(store)
+    if changes:  # a stop rule broken: the tests are still shown, no verdict is drawn from them
+        decided = [None if c is None else replace(c, verdict=INVALID) for c in decided]
+    summaries = [base] + [replace(v, comparison=c) for v, c in zip(variants, decided)]
+    heldout: dict[str, dict[str, list[float]]] = {}
+    for h in store.heldout():
+        row = by_id.get(h.run_id)
+        if row is not None and row.status == "finished" and h.corpus in (suite.get("eval_data") or {}):
+            heldout.setdefault(row.label, {}).setdefault(h.corpus, []).append(h.loss)
     return ReportData(plan=plan, summaries=summaries, floor=noise_floor(base.losses), n_tests=n_tests,
-                      alpha=alpha, rows=rows, tasks=tasks)
+                      alpha=alpha, rows=rows, tasks=tasks, adjust=adjust, seed_changes=changes,
+                      heldout=heldout)
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -239,11 +260,82 @@ def _task_cell(data: ReportData, s: LabelSummary, task: str) -> str:
     return f"{mean:.4f} ({mean - base:+.4f})"
 
 
+def planned_seeds(data: ReportData, label: str) -> list[tuple[int, int]]:
+    """The (init seed, data seed) pairs the plan gives ``label``."""
+    return [(p["init_seed"], p["data_seed"]) for p in data.plan["runs"] if p["label"] == label]
+
+
+def paired_design(data: ReportData, label: str) -> bool:
+    """Whether the suite gives ``label`` exactly the baseline's seed pairs (a paired design)."""
+    mine, base = planned_seeds(data, label), planned_seeds(data, data.baseline.label)
+    return len(mine) >= 2 and sorted(mine) == sorted(base)
+
+
+def mde_of(data: ReportData, s: LabelSummary) -> float | None:
+    """The variant's minimum detectable effect: its comparison's, or before it has one the
+    design's, from the noise floor (a paired design without differences yet: the unpaired
+    figure, which assumes no correlation between paired runs and so errs large)."""
+    if s.role == "baseline":
+        return None
+    if s.comparison is not None and s.comparison.mde is not None:
+        return s.comparison.mde
+    if data.floor is None:
+        return None
+    return mde_unpaired(data.floor, data.baseline.planned, s.planned, data.alpha / data.n_tests)
+
+
+def compute_hours(rows: list[RunRow]) -> tuple[float, float]:
+    """(summed wall seconds, device-hours) of the finished or diverged runs among ``rows``."""
+    wall = sum(r.wall_s or 0.0 for r in rows if r.status != "running")
+    return wall, sum(device_hours(r.device, r.wall_s) for r in rows if r.status != "running")
+
+
+def compute_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """What each verdict cost: the label's own runs, and for a variant its runs plus the
+    baseline's (a verdict rests on both)."""
+    header = ["variant", "runs", "wall time (sum)", "GPU-hours", "verdict wall time", "verdict GPU-hours"]
+    base_rows = [r for r in data.rows if r.label == data.baseline.label]
+    bw, bh = compute_hours(base_rows)
+    out = []
+    for s in data.summaries:
+        mine = [r for r in data.rows if r.label == s.label]
+        w, h = compute_hours(mine)
+        if s.role == "baseline":
+            out.append([s.label, str(len(mine)), duration(w), f"{h:.3f}", "-", "-"])
+        else:
+            out.append([s.label, str(len(mine)), duration(w), f"{h:.3f}", duration(w + bw), f"{h + bh:.3f}"])
+    return header, out
+
+
+def heldout_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """In-distribution validation loss next to each extra corpus's (eval_data), mean over seeds,
+    a variant's difference against the baseline's mean in brackets."""
+    corpora = sorted(data.suite.get("eval_data") or {})  # the stored suite is JSON with sorted keys anyway
+    header = ["variant", "val loss (in distribution)"] + [f"{c} loss" for c in corpora]
+    base = data.heldout.get(data.baseline.label, {})
+    out = []
+    for s in data.summaries:
+        row = [s.label, _f(s.mean_loss, ".4f")]
+        for c in corpora:
+            losses = data.heldout.get(s.label, {}).get(c, [])
+            if not losses:
+                row.append("-")
+                continue
+            mean = statistics.fmean(losses)
+            cell = f"{mean:.4f}" + ("" if len(losses) == len(s.finished) else f" ({len(losses)} seeds)")
+            if s.role != "baseline" and base.get(c):
+                cell += f" ({mean - statistics.fmean(base[c]):+.4f})"
+            row.append(cell)
+        out.append(row)
+    return header, out
+
+
 def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     """One row per label; the loss columns up to the verdict, then one column per downstream
     task (mean over seeds, and the variant's difference against the baseline in brackets)."""
     header = ["variant", "seeds", "val loss", "bpb", "Δ loss", "z", "95% CI of Δ", "test",
-              "p", "p adj", "verdict"] + [f"{t} {task_metric(t)}" for t in data.tasks]
+              "p paired", "p unpaired", "p Bonferroni", "p Holm", "MDE", "verdict"] + [
+                  f"{t} {task_metric(t)}" for t in data.tasks]
     out = []
     for s in data.summaries:
         c = s.comparison
@@ -252,11 +344,14 @@ def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
         bpb = _f(statistics.fmean(s.bpbs), ".4f") if s.bpbs else "-"
         tasks = [_task_cell(data, s, t) for t in data.tasks]
         if c is None:
-            out.append([s.label, seeds, loss, bpb, "-", "-", "-", "-", "-", "-", s.verdict, *tasks])
+            out.append([s.label, seeds, loss, bpb, "-", "-", "-", "-", "-", "-", "-", "-",
+                        _f(mde_of(data, s), ".4f"), s.verdict, *tasks])
             continue
         ci = "-" if c.ci_low is None else f"[{c.ci_low:+.4f}, {c.ci_high:+.4f}]"
         out.append([s.label, seeds, loss, bpb, f"{c.diff:+.4f}", _f(c.z, "+.2f"), ci, c.method.split(" ")[0],
-                    _p(c.p), _p(c.p_adjusted), c.verdict, *tasks])
+                    _p(c.paired.p if c.paired else None) + (f" (n={c.paired.n})" if c.paired else ""),
+                    _p(c.unpaired.p if c.unpaired else None), _p(c.p_adjusted), _p(c.p_holm),
+                    _f(c.mde, ".4f"), c.verdict, *tasks])
     return header, out
 
 
@@ -399,18 +494,60 @@ def overview(data: ReportData) -> list[str]:
         + (f", overrides: {' '.join(data.plan['overrides'])}" if data.plan["overrides"] else ""),
         f"Budget: {s['budget']['tokens']:,} tokens, {s['budget']['match']} matching",
         f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
-        + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run"),
+        + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run")
+        + ("; variants paired with the baseline by seed" if all(paired_design(data, x.label)
+                                                               for x in data.summaries[1:]) and data.summaries[1:]
+           else ""),
         f"Runs: {done} of {planned} finished" + (f", {running} running" if running else "")
         + (f", {interrupted} interrupted (the process training {'it' if interrupted == 1 else 'them'} "
            "is gone; compare resumes from the last checkpoint)" if interrupted else "")
         + (f", {diverged} diverged" if diverged else ""),
-        f"Noise floor: {floor}",
-        f"Final loss = mean of the last {plural(s['eval']['last_k'], 'evaluation')}; significance: "
-        f"Bonferroni over {plural(data.n_tests, 'variant')} at alpha = {data.alpha}",
+        f"Noise floor: {floor}" + ("" if seeds["data"] == "init" or data.floor is None else
+                                   "; init seeds only (one data order for every run: data-order noise "
+                                   "is not in it, seeds.data: init puts it there)"),
+        f"Final loss = mean of the last {plural(s['eval']['last_k'], 'evaluation')}; {verdict_rule(data)}",
+        mde_fact(data),
+        compute_fact(data),
+    ] + [f"Stop rule broken: {c['what']} after {plural(c['finished'], 'run')} had finished ({c['at']}): "
+         f"{INVALID}" for c in data.seed_changes] + [
         f"Code revision: {', '.join(revisions) or '-'}",
         devices_fact(data.rows),
         latency_fact(data),
     ] + ([_downstream_fact(data)] if data.tasks else [])
+
+
+def verdict_rule(data: ReportData) -> str:
+    """The rule a verdict follows, in one sentence."""
+    other = "Holm" if data.adjust == "bonferroni" else "Bonferroni"
+    name = "Bonferroni" if data.adjust == "bonferroni" else "Holm"
+    return (f"verdict: the paired t-test when a variant's finished seeds pair completely with the "
+            f"baseline's (at least 2 pairs), else Welch's; {name}-adjusted p over "
+            f"{plural(data.n_tests, 'variant')} < alpha = {data.alpha} decides ({other} shown too)")
+
+
+def mde_fact(data: ReportData) -> str:
+    """The smallest difference the suite's seeds can detect (unpaired, from the noise floor)."""
+    if data.floor is None:
+        return "Minimum detectable effect: not available (needs the noise floor)"
+    n_var = sorted({x.planned for x in data.summaries[1:]}) or [0]
+    parts = []
+    for nv in n_var:
+        mde = mde_unpaired(data.floor, data.baseline.planned, nv, data.alpha / data.n_tests)
+        if mde is not None:
+            parts.append(f"{mde:.4f} ({mde / data.floor:.1f} noise floors) with {data.baseline.planned} "
+                         f"baseline and {nv} variant seeds")
+    return (f"Minimum detectable effect (power {POWER:g}, two-sided alpha / {data.n_tests}, unpaired, from "
+            f"the noise floor): " + ("; ".join(parts) or "-")
+            + "; the MDE column gives each variant's, from its deciding test")
+
+
+def compute_fact(data: ReportData) -> str:
+    """Suite wall time (summed over runs, and first start to last finish) and GPU-hours."""
+    wall, hours = compute_hours(data.rows)
+    ended = [r.finished_at for r in data.rows if r.finished_at is not None]
+    span = (f"; {duration(max(ended) - min(r.started_at for r in data.rows))} from the first start to the "
+            "last finish" if ended else "")
+    return f"Compute: {duration(wall)} of run wall time, {hours:.3f} GPU-hours{span}"
 
 
 def devices_fact(rows: list[RunRow]) -> str:
@@ -433,11 +570,19 @@ def _downstream_fact(data: ReportData) -> str:
 
 METHOD_NOTE = (
     "Δ = mean(variant) - mean(baseline) of the final validation loss (negative is better); "
-    "z = Δ / noise floor. Test: Welch's t-test when both sides have at least 2 seeds; with a "
-    "single seed on one side, the pooled two-sample t-test (the prediction-interval test of one "
-    "observation against a sample, assuming equal seed noise). The 95% CI uses the test's "
-    "standard error and degrees of freedom and is not adjusted; p adj = min(1, p × number of "
-    "variants) (Bonferroni), and a variant is better or worse only if p adj < alpha."
+    "z = Δ / noise floor. Runs with the same init and data seeds are pairs. p paired: the paired "
+    "t-test on the per-pair differences (n = pairs); p unpaired: Welch's t-test when both sides have "
+    "at least 2 seeds, with a single seed on one side the pooled two-sample t-test (the "
+    "prediction-interval test of one observation against a sample, assuming equal seed noise). "
+    "Test: the one that decides, paired when the variant's finished seeds and the baseline's pair "
+    "completely (at least 2 pairs), else unpaired; the 95% CI is the deciding test's and is not "
+    "adjusted. p Bonferroni = min(1, p × number of variants); p Holm: Holm's step-down adjustment "
+    "(a variant without a p yet counts as the largest). The suite's eval.adjust names the one that "
+    "decides: a variant is better or worse only if it is below alpha. MDE: the smallest true "
+    "difference the deciding test detects with power 0.8 at two-sided alpha / number of variants, "
+    "for the planned seeds (unpaired: from the noise floor; paired: from the sd of the variant's "
+    "differences). Seeds are fixed in the suite file before the runs; a plan changed after results "
+    "voids the verdicts (see the overview)."
 )
 
 
@@ -458,6 +603,22 @@ DOWNSTREAM_NOTE = (
     "single seed: the binomial standard error over the task's items instead. The results table "
     "gives the variant's difference against the baseline's mean in brackets. No significance test "
     "is made on these; the verdict rests on the validation loss."
+)
+
+
+HELDOUT_NOTE = (
+    "Validation loss (nats/token) of each run's final checkpoint on the validation split of each "
+    "extra corpus named in the suite's eval_data (prepared with the suite's tokenizer), next to the "
+    "in-distribution loss; mean over seeds, a variant's difference against the baseline in brackets. "
+    "No significance test is made on these."
+)
+
+
+COMPUTE_NOTE = (
+    "Wall time: each run's training wall time as the trainer reports it, summed. GPU-hours: that "
+    "wall time for runs on a GPU (one device per run; runs that shared a GPU, see runs at once, are "
+    "each counted in full, so this is an upper bound); CPU runs count none. A verdict's cost is the "
+    "variant's runs plus the baseline's."
 )
 
 
@@ -505,6 +666,9 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     tables = [("Results", *results_table(data)), ("Costs", *costs_table(data))]
     if data.tasks:
         tables.append(("Downstream", *downstream_table(data)))
+    if data.suite.get("eval_data"):
+        tables.append(("Held-out corpora", *heldout_table(data)))
+    tables.append(("Compute", *compute_table(data)))
     figures = list(FIGURES) + ([LATENCY_FIGURE] if data.measured else [])
     makers = (fig_curves, fig_diffs, fig_tradeoff, fig_latency)
     pngs = {name: _png(fn(data)) for (name, _), fn in zip(figures, makers)}
@@ -514,7 +678,7 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     desc = data.suite["description"]
 
     notes = {"Costs": [COSTS_NOTE] + ([latency_note(data)] if data.measured else []),
-             "Downstream": [DOWNSTREAM_NOTE]}
+             "Downstream": [DOWNSTREAM_NOTE], "Held-out corpora": [HELDOUT_NOTE], "Compute": [COMPUTE_NOTE]}
     md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
     for name, header, rows in tables:
         md += [f"## {name}", "", _md_table(header, rows), ""]
@@ -552,7 +716,7 @@ def print_report(out_dir: str | Path, console: Console) -> None:
         console.print(fact, highlight=False)
     full_header, full_rows = results_table(data)
     # The console gets the columns a verdict rests on; bpb, test and raw p are in the files.
-    keep = [i for i, h in enumerate(full_header) if h not in ("bpb", "test", "p")]
+    keep = [i for i, h in enumerate(full_header) if h not in ("bpb", "test", "p paired", "p unpaired")]
     header = [full_header[i] for i in keep]
     rows = [[r[i] for i in keep] for r in full_rows]
     table = Table(title=f"suite {data.suite['name']}: final validation loss against {data.baseline.label}",

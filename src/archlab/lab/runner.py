@@ -59,9 +59,12 @@ from archlab.config import RunConfig
 from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.lab.claims import Owner, die_with_parent
 from archlab.lab.display import RUNS_DIR, SuiteEta, end_run, is_done, latest_train_record, make_progress
+from archlab.lab import heldout as _heldout
 from archlab.lab import latency as _latency
 from archlab.lab.fmt import duration, si
 from archlab.lab.plan import DataJob, Plan, PlannedRun
+from archlab.lab.session import Session
+from archlab.lab.stoprule import check_seed_plan
 from archlab.lab.store import (Heartbeat, ResultStore, RunRow, RunStart, TrainOutcome,
                                downstream_key)
 
@@ -312,7 +315,8 @@ class _Tally:
 def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_fn: TrainFn | None = None,
               prepare_fn: PrepareFn | None = None, console: Console | None = None,
               stop_after_steps: int | None = None, jobs: int = 1,
-              eval_fn: EvalFn | None = None, measure_fn: _latency.MeasureFn | None = None) -> SuiteOutcome:
+              eval_fn: EvalFn | None = None, measure_fn: _latency.MeasureFn | None = None,
+              session: Session | None = None) -> SuiteOutcome:
     """Train every run of ``runs`` that is not finished, in order, recording each in ``store``.
 
     ``stop_after_steps`` is passed to the trainer (a time-boxed session, or a test of resuming);
@@ -328,6 +332,10 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     ``archlab.lab.latency.measure_run``), after the progress display is gone.
     """
     console = console or Console()
+    # Seeds are fixed before results (archlab.lab.stoprule); ``session``: this call's limits.
+    note = check_seed_plan(store, plan, amend=session is not None and session.amend_seeds)
+    if note:
+        console.print(note, highlight=False)
     store.set_meta("plan", plan.meta())
     rows = {r.run_id: store.get(r.run_id) for r in runs}
     todo = [r for r in runs if not is_done(rows[r.run_id])]
@@ -337,6 +345,7 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     trained = [r for r in runs if rows[r.run_id] is not None and rows[r.run_id].status == "finished"]
     downstream = _Downstream.open(plan, store, eval_fn, todo, trained)
     _prepare_missing(plan, todo, prepare_fn, console)
+    _heldout.precheck(plan)  # the suite's eval_data corpora: there, and tokenized as the runs are
     revision = code_revision()
     parallel = jobs > 1 and len(todo) > 1
     eta = SuiteEta(plan, {r.run_id: r for r in store.runs()}, todo, jobs if parallel else 1)
@@ -347,10 +356,12 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
             downstream.catch_up(progress)
         if parallel:
             _run_parallel(plan, store, todo, tally, revision, progress, overall, train_fn, stop_after_steps,
-                          jobs, eta, downstream)
+                          jobs, eta, downstream, session)
         else:
             train = train_fn or _real_train()
             for run in todo:
+                if session is not None and not session.admit(plan, eta.rows, run):
+                    continue
                 progress.update(overall, description=f"suite {plan.suite.name}: {run.label} seed {run.init_seed}")
                 end = _train_claimed(store, _job(plan, run, revision, stop_after_steps),
                                      lambda cfg, out: train(cfg, out, resume=True, progress=progress,
@@ -362,9 +373,10 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
                     break
                 if end.kind == "finished" and downstream is not None:
                     downstream.evaluate(run, progress)
+    _heldout.evaluate_missing(plan, store, runs, console)  # finished runs on the eval_data corpora
     # Outside the progress display (its refresh thread would share the CPU with wall-clock timings);
     # a session that stopped short is over, and measures next time.
-    if tally.interrupted is None:
+    if tally.interrupted is None and not (session is not None and session.held_back):
         tally.measured = _latency.Latency(plan, store, measure_fn or _latency.measure_run, console).run(runs, revision)
     return tally.outcome()
 
@@ -483,7 +495,7 @@ def _train_worker(db_path: Path, job: _Job, train_fn: TrainFn | None) -> RunEnd:
 def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally: _Tally, revision: str,
                   progress: Progress, overall: TaskID, train_fn: TrainFn | None,
                   stop_after_steps: int | None, jobs: int, eta: SuiteEta,
-                  downstream: _Downstream | None = None) -> None:
+                  downstream: _Downstream | None = None, session: Session | None = None) -> None:
     """Train up to ``jobs`` runs at once, each in a fresh (spawned) process.
 
     Small models leave a GPU mostly idle between kernel launches, so several runs side by side
@@ -506,6 +518,8 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally:
         def submit() -> None:
             while queue and len(pending) < jobs and error is None:
                 run = queue.pop(0)
+                if session is not None and not session.admit(plan, eta.rows, run):
+                    continue
                 task = progress.add_task(f"{run.label} seed {run.init_seed}", total=run.steps, loss="-",
                                          tok_s="-")
                 fut = pool.submit(_train_worker, store.path, _job(plan, run, revision, stop_after_steps),

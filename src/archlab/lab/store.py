@@ -30,7 +30,9 @@ without a live claim is a run that was *interrupted* (``display_status``).
 Schema versions: v1, the ``runs`` and ``meta`` tables; v2 (downstream evaluation) adds the
 ``downstream`` table and its triggers; v3 adds the ``claims`` table and ``runs.runs_at_once``
 (how many runs this host was training at once while the run trained, sampled: the context its
-tokens/s was measured in); v4 (measured cost) adds the ``latency`` table and its triggers.
+tokens/s was measured in); v4 (measured cost) adds the ``latency`` table and its triggers; v5
+(extra evaluation corpora) adds the ``heldout`` table (a finished run's loss on each of the suite's
+``eval_data`` corpora) and its triggers.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any, Iterator, Literal, Protocol
 from archlab.errors import ArchlabError
 from archlab.lab.claims import HEARTBEAT_S, Owner, holder_alive
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DB_NAME = "results.sqlite"
 
 Status = Literal["running", "finished", "diverged"]
@@ -182,8 +184,29 @@ _SCHEMA_V4: tuple[str, ...] = (
        BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never deleted'); END""",
 )
 
+_SCHEMA_V5: tuple[str, ...] = (
+    """CREATE TABLE heldout (
+        run_id TEXT NOT NULL REFERENCES runs (run_id),
+        corpus TEXT NOT NULL,       -- the suite's eval_data name
+        path TEXT NOT NULL,         -- the prepared data directory, as the suite named it
+        tokenizer_sha TEXT NOT NULL, -- sha256 of its tokenizer.json (= the run's)
+        loss REAL NOT NULL,         -- mean NLL, nats/token, on its validation split
+        bpb REAL NOT NULL,
+        batches INTEGER NOT NULL CHECK (batches > 0),
+        evaluated_at REAL NOT NULL,
+        PRIMARY KEY (run_id, corpus)
+    )""",
+    """CREATE TRIGGER heldout_of_finished_runs_only BEFORE INSERT ON heldout
+       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
+       BEGIN SELECT RAISE(ABORT, 'archlab: held-out results belong to a finished run'); END""",
+    """CREATE TRIGGER heldout_no_update BEFORE UPDATE ON heldout
+       BEGIN SELECT RAISE(ABORT, 'archlab: a held-out result is never overwritten'); END""",
+    """CREATE TRIGGER heldout_no_delete BEFORE DELETE ON heldout
+       BEGIN SELECT RAISE(ABORT, 'archlab: a held-out result is never deleted'); END""",
+)
+
 # _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4)
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -363,6 +386,20 @@ class LatencyRow:
     def shape(self) -> tuple[str, int, int]:
         """What the suite asked for: (phase, batch, requested length)."""
         return (self.phase, self.batch, self.requested)
+
+
+@dataclass(frozen=True)
+class HeldoutRow:
+    """One finished run's loss on one extra evaluation corpus (a suite's ``eval_data``)."""
+
+    run_id: str
+    corpus: str
+    path: str
+    tokenizer_sha: str
+    loss: float
+    bpb: float
+    batches: int
+    evaluated_at: float
 
 
 def _opt(x: float | None) -> float | None:
@@ -622,6 +659,24 @@ class ResultStore:
         rows = self._conn.execute(sql + " ORDER BY measured_at, run_id, phase, batch",
                                   () if run_id is None else (run_id,))
         return [LatencyRow(**{k: r[k] for k in r.keys()}) for r in rows]
+
+    # ---- extra evaluation corpora ---------------------------------------------------------------
+    def add_heldout(self, rows: list[HeldoutRow]) -> None:
+        """Store finished runs' held-out losses, all in one transaction. A (run, corpus) already
+        stored (by a compare sharing the suite directory) keeps its first result."""
+        with self._transaction() as c:
+            for r in rows:
+                c.execute("INSERT OR IGNORE INTO heldout (run_id, corpus, path, tokenizer_sha, loss, bpb, batches, "
+                          "evaluated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (r.run_id, r.corpus, r.path, r.tokenizer_sha, float(r.loss), float(r.bpb),
+                           int(r.batches), float(r.evaluated_at)))
+
+    def heldout(self, run_id: str | None = None) -> list[HeldoutRow]:
+        """Held-out losses, of one run or of every run, in the order they were stored."""
+        sql = "SELECT * FROM heldout" + (" WHERE run_id = ?" if run_id is not None else "")
+        rows = self._conn.execute(sql + " ORDER BY evaluated_at, run_id, corpus",
+                                  () if run_id is None else (run_id,))
+        return [HeldoutRow(**{k: r[k] for k in r.keys()}) for r in rows]
 
     # ---- reading ---------------------------------------------------------------------------
     def get(self, run_id: str) -> RunRow | None:

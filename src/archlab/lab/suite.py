@@ -20,15 +20,20 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
                                   #   tokens (F = training FLOPs per token)
     seeds:
       baseline: [0, 1, 2]         # init seeds of the baseline (noise floor); default [0, 1, 2]
-      variants: [0]               # init seeds of every variant; default [0]
-      data: 0                     # data-order seed of every run, or `init` (= its init seed)
+      variants: [0]               # init seeds of every variant; default [0]; `baseline`: the
+                                  #   baseline's seeds, so every variant run has a baseline run
+                                  #   with the same init and data seeds (a paired design)
+      data: 0                     # data-order seed of every run, or `init` (= its init seed:
+                                  #   the noise floor then covers data-order noise too)
     baseline: llama               # the baseline's label
     variants:                     # label -> overrides, dot-keys as in --set
       attnres: {model.residual.kind: attnres}
     eval:
       every: 50                   # -> train.eval_every;  batches -> train.eval_batches
       last_k: 3                   # final loss = mean of the last k evaluations
-      alpha: 0.05                 # family-wise level, Bonferroni over the variants
+      alpha: 0.05                 # family-wise level over the variants
+      adjust: bonferroni          # which adjusted p decides a verdict: bonferroni or holm (both
+                                  #   are reported; archlab.lab.stats says which test is used)
       tasks: [hellaswag, piqa]    # zero-shot downstream tasks, evaluated on every finished run's
                                   #   final checkpoint (list or "a,b"; default: none); known:
                                   #   hellaswag, piqa, arc_easy, arc_challenge, winogrande, lambada
@@ -37,6 +42,10 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
                                   #   working directory for a built-in suite); default
                                   #   $ARCHLAB_TASK_DIR
       limit: 500                  # evaluate the first N items of each task (default: all)
+    eval_data:                    # extra held-out corpora: name -> a prepared data directory
+      wiki: data/wiki-v8192       #   (``archlab data prepare``, the suite's tokenizer); every
+                                  #   finished run's final checkpoint is evaluated on its val
+                                  #   split (relative paths: to the suite file's directory)
     costs:                        # where prefill/decode costs are stated, and what is measured
       context: 1024               # tokens in the KV cache for decode costs, computed and measured
                                   #   (default: train.seq_len)
@@ -116,10 +125,11 @@ class EvalSpec:
     every: int | None  # -> train.eval_every (None: keep the config's)
     batches: int | None  # -> train.eval_batches
     last_k: int  # final metric = mean of the last k evaluations
-    alpha: float  # family-wise significance level (Bonferroni over the variants)
+    alpha: float  # family-wise significance level over the variants
     tasks: tuple[str, ...] = ()  # zero-shot downstream tasks of every finished run (none: no eval)
     task_dir: str | None = None  # absolute; None = $ARCHLAB_TASK_DIR (archlab.eval.tasks.find_task)
     limit: int | None = None  # items per task (None = all)
+    adjust: str = "bonferroni"  # which adjusted p decides (archlab.lab.stats.ADJUSTMENTS)
 
 
 Measure = Literal["auto", "always", "never"]
@@ -155,6 +165,7 @@ class Suite:
     eval: EvalSpec
     costs: CostSpec
     tokens_per_s: float | None  # assumed baseline throughput for --dry-run time estimates
+    eval_data: dict[str, str] = field(default_factory=dict)  # name -> absolute prepared data directory
 
     def variant_tree(self, label: str) -> dict[str, Any]:
         """A variant's overrides as a nested dict; dot-keys follow ``--set`` semantics."""
@@ -177,6 +188,7 @@ class Suite:
             "eval": dict(vars(self.eval), tasks=list(self.eval.tasks)),
             "costs": dict(vars(self.costs), batches=list(self.costs.batches)),
             "estimate": {"tokens_per_s": self.tokens_per_s},
+            "eval_data": dict(self.eval_data),
         }
 
 
@@ -239,7 +251,7 @@ class _BudgetSection:
 @dataclass
 class _SeedsSection:
     baseline: list[int] = field(default_factory=lambda: [0, 1, 2])
-    variants: list[int] = field(default_factory=lambda: [0])
+    variants: list[int] | str = field(default_factory=lambda: [0])  # or "baseline"
     data: int | str = 0  # or "init"
 
 
@@ -252,6 +264,7 @@ class _EvalSection:
     tasks: Any = None  # a list of names or one "a,b" string: two shapes, checked by _task_list
     task_dir: str | None = None
     limit: int | None = None
+    adjust: str = "bonferroni"  # a str, not a Literal: the message names the allowed values plainly
 
 
 @dataclass
@@ -283,6 +296,7 @@ class _SuiteFile:
     eval: _EvalSection = field(default_factory=_EvalSection)
     costs: _CostsSection = field(default_factory=_CostsSection)
     estimate: _EstimateSection = field(default_factory=_EstimateSection)
+    eval_data: Any = None  # name -> data directory; checked by _eval_data
 
 
 _SECTIONS = ("data", "budget", "seeds", "eval", "costs", "estimate")
@@ -387,8 +401,30 @@ def _eval_spec(r: SuiteReporter, e: _EvalSection, base_dir: Path | None) -> Eval
         if not task_dir.strip():
             r.fail("eval.task_dir", "is empty")
         task_dir = str((base_dir or Path.cwd()) / Path(task_dir).expanduser())
+    from archlab.lab.stats import ADJUSTMENTS
+
+    if e.adjust not in ADJUSTMENTS:
+        r.fail("eval.adjust", f"must be one of {', '.join(ADJUSTMENTS)}, got {e.adjust!r}")
     return EvalSpec(every=e.every, batches=e.batches, last_k=e.last_k, alpha=e.alpha, tasks=tasks,
-                    task_dir=task_dir, limit=e.limit)
+                    task_dir=task_dir, limit=e.limit, adjust=e.adjust)
+
+
+def _eval_data(r: SuiteReporter, raw: Any, base_dir: Path | None) -> dict[str, str]:
+    """``eval_data``: held-out corpus name -> prepared data directory, made absolute (relative to
+    the suite file's directory). Whether each holds data with the runs' tokenizer is checked when
+    the plan is built (``archlab.lab.heldout``), not here: the suite's own corpus may not exist yet."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        r.fail("eval_data", f"expected a mapping of corpus names to prepared data directories, got {raw!r}")
+    out: dict[str, str] = {}
+    for name, path in raw.items():
+        if not isinstance(name, str) or not _NAME.match(name):
+            r.fail(f"eval_data.{name}", "a corpus name must be letters, digits and _ . + -")
+        if not isinstance(path, str) or not path.strip():
+            r.fail(f"eval_data.{name}", f"expected the path of a prepared data directory, got {path!r}")
+        out[name] = str((base_dir or Path.cwd()) / Path(path).expanduser())
+    return out
 
 
 def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | None = None) -> Suite:
@@ -423,12 +459,15 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
     _positive(r, "budget.tokens", f.budget.tokens)
 
     s = f.seeds
+    if isinstance(s.variants, str) and s.variants != "baseline":
+        r.fail("seeds.variants", f"expected a list of integers or 'baseline', got {s.variants!r}")
     if isinstance(s.data, str) and s.data != "init":
         r.fail("seeds.data", f"expected an integer or 'init', got {s.data!r}")
     if isinstance(s.data, int) and s.data < 0:
         r.fail("seeds.data", f"must be non-negative, got {s.data}")
     seeds = Seeds(baseline=_seed_list(r, "seeds.baseline", s.baseline),
-                  variants=_seed_list(r, "seeds.variants", s.variants),
+                  variants=(_seed_list(r, "seeds.baseline", s.baseline) if s.variants == "baseline"
+                            else _seed_list(r, "seeds.variants", s.variants)),
                   data=None if s.data == "init" else s.data)
 
     if not _NAME.match(f.baseline):
@@ -454,4 +493,5 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
                        measure=f.costs.measure,  # type: ignore[arg-type]
                        prompt=f.costs.prompt, batches=tuple(batches), steps=f.costs.steps),
         tokens_per_s=f.estimate.tokens_per_s,
+        eval_data=_eval_data(r, f.eval_data, base_dir),
     )
