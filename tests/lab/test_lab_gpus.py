@@ -296,3 +296,75 @@ def test_a_dead_machines_claim_is_taken_over_once_its_lease_expires(tmp_path: Pa
         assert all(r.status == "finished" for r in rows.values()) and store.claims() == {}
     assert dict(fake.calls)[hung] == 20  # resumed from the dead machine's last checkpoint
     assert rows[hung].attempts == 2 and sorted(name for name, _ in fake.calls) == sorted(rows)
+
+
+MOUNTINFO = """\
+22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw
+40 22 0:50 / /shared rw,relatime shared:20 - nfs4 server:/export rw,vers=4.2
+41 40 259:3 / /shared/local\\040disk rw,relatime shared:21 - xfs /dev/nvme1n1 rw
+"""
+
+
+def test_a_suite_directory_on_a_network_filesystem_is_recognized() -> None:
+    from archlab.lab.claims import network_filesystem
+
+    assert network_filesystem(Path("/shared/suite/x"), MOUNTINFO) == "nfs4"
+    assert network_filesystem(Path("/shared"), MOUNTINFO) == "nfs4"
+    assert network_filesystem(Path("/shared/local disk/suite"), MOUNTINFO) is None  # a local mount inside
+    assert network_filesystem(Path("/sharedx/suite"), MOUNTINFO) is None
+    assert network_filesystem(Path("/home/me"), MOUNTINFO) is None
+
+
+# A compare with --gpus 0 on a shared suite directory (what run_compare does, less the report).
+GPU_COMPARE = """
+import sys
+from pathlib import Path
+from rich.console import Console
+from archlab.lab.gpus import GpuPlan
+from archlab.lab.plan import build_plan
+from archlab.lab.runner import run_suite, suite_lock
+from archlab.lab.store import ResultStore, DB_NAME
+from archlab.lab.suite import load_suite
+from tests.lab.lab_fakes import FakeTrainer, fake_costs
+suite_file, out, log, gate = map(Path, sys.argv[1:5])
+plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)
+fake = FakeTrainer(log=log, hold_until=gate, step_delay=0.004)
+with suite_lock(plan.out_dir), ResultStore(out / DB_NAME) as store:
+    run_suite(plan, store, list(plan.runs), train_fn=fake, console=Console(width=150), gpus=GpuPlan((0,)))
+"""
+
+
+def test_two_gpu_compares_on_one_suite_directory_split_it(tmp_path: Path) -> None:
+    suite_file, out = write_suite(tmp_path, SMALL_SUITE), tmp_path / "out"
+    log, gate = tmp_path / "calls.jsonl", tmp_path / "go"
+
+    def trained() -> list[tuple[str, int]]:
+        return [(name, pid) for name, _step, pid in
+                (json.loads(line) for line in (log.read_text().splitlines() if log.exists() else []))]
+
+    procs = [subprocess.Popen([sys.executable, "-c", GPU_COMPARE, str(suite_file), str(out), str(log), str(gate)],
+                              env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        # Each compare trains one run at a time, held at the gate: two workers logged at once are
+        # one from each compare, so the compares overlap for certain.
+        deadline = time.monotonic() + 120
+        while len(trained()) < 2:
+            for p in procs:
+                assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            assert time.monotonic() < deadline, "timed out waiting for both compares to train a run"
+            time.sleep(0.05)
+        gate.touch()
+        for p in procs:
+            assert p.wait(timeout=180) == 0, p.stderr.read() if p.stderr else ""
+    finally:
+        gate.touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    with ResultStore(out / DB_NAME, create=False) as store:
+        rows = store.runs()
+        assert store.claims() == {}
+    assert len(rows) == 4 and all(r.status == "finished" and r.attempts == 1 for r in rows)
+    assert sorted(name for name, _ in trained()) == sorted(r.run_id for r in rows)  # each once

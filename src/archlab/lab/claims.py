@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from archlab.errors import ConfigError
 
@@ -148,6 +149,34 @@ def holder_alive(holder: Owner, heartbeat_at: float, *, me: Owner | None = None,
             return False
         return not (holder.started and started and started != holder.started)
     return (now if now is not None else time.time()) - heartbeat_at < lease_s()
+
+
+# Filesystems where SQLite's WAL mode is not safe between processes of different hosts (no shared
+# memory for the WAL index), and usually not even its locks: a suite directory must not be there.
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "fuse.sshfs",
+                       "ceph", "fuse.ceph", "glusterfs", "fuse.glusterfs", "lustre", "gpfs", "beegfs")
+
+
+def network_filesystem(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the network filesystem ``path`` is on (``nfs4``, ...), or None when it is on a
+    local one or this system cannot tell (no /proc/self/mountinfo). ``mountinfo``: that file's
+    text (tests)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best, fstype = "", None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, line.split(" - ", 1)[1].split()[0]
+    return fstype if fstype in NETWORK_FILESYSTEMS else None
 
 
 def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:

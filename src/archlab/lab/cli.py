@@ -155,6 +155,13 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
             if not job.path.exists():
                 console.print(f"will prepare {job.describe()} (vocab {job.vocab_size}) into {job.path}")
         return 0
+    from archlab.lab.claims import network_filesystem
+
+    fs = network_filesystem(plan.out_dir)
+    if fs is not None:  # a warning, not an error: one host alone on a network share is fine
+        console.print(f"[yellow]warning[/yellow]: {plan.out_dir} is on {fs}: {DB_NAME} (SQLite in WAL mode) "
+                      "is not safe to share between machines there; run every compare of this suite "
+                      "on one host", highlight=False)
     # Shared: other compares may work on this suite directory too (run claims keep them apart);
     # --no-resume moves results aside, so it runs alone.
     with suite_lock(plan.out_dir, exclusive=args.no_resume):

@@ -18,13 +18,19 @@ a run that a re-run has claimed, and workers do not outlive it anyway (``die_wit
 Two machines can split a suite the same way: both run the same ``archlab compare SUITE --out
 DIR`` on one shared suite directory, and each trains the runs nobody has claimed. A pid means
 nothing on another host, so a claim from another machine counts as live while its holder's
-heartbeat is fresh (refreshed every 30 s; gone after 5 minutes of silence); a machine that dies
+heartbeat is fresh (refreshed every 30 s; gone after 5 minutes of silence: a lease, whose two
+times ``ARCHLAB_CLAIM_HEARTBEAT_S`` and ``ARCHLAB_CLAIM_LEASE_S`` set); a machine that dies
 leaves its runs to the other one after that, resumed from the checkpoints in the shared run
 directories. The limit is SQLite's: the results database is in WAL mode, which needs every
 process that opens it to share memory with the others, so the directory must be on a filesystem
 those processes see as local, e.g. one host's disk mounted into several containers or VMs on that
 host. A network filesystem (NFS, SMB) does not qualify: SQLite documents WAL as unsupported there
 and the database can be corrupted.
+
+With ``gpus`` (``compare --gpus``) every run trains in a fresh worker process pinned to the
+GPU(s) it was given by ``CUDA_VISIBLE_DEVICES`` (``_GpuLauncher``, ``archlab.lab.worker``), as
+many at once as the GPUs have slots (``archlab.lab.gpus``); the worker claims and records its
+run like a ``--jobs`` worker, and one with several GPUs trains its run under torchrun.
 
 Downstream evaluation (a suite's ``eval.tasks``) runs in this process right after a run is
 recorded finished, on the run's final checkpoint, and is stored in one more transaction (the
@@ -356,7 +362,7 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
         if downstream is not None:
             downstream.catch_up(progress)
         if parallel:
-            launcher = (_GpuLauncher(gpus, store.path, plan.out_dir, train_fn) if gpus is not None
+            launcher = (_GpuLauncher(gpus, store, plan.out_dir, train_fn) if gpus is not None
                         else _PoolLauncher(jobs, store.path, train_fn))
             _run_parallel(plan, todo, tally, revision, progress, overall, stop_after_steps, eta, launcher,
                           downstream)
@@ -529,15 +535,32 @@ class _GpuLauncher:
 
     WORK_DIR = ".workers"  # in the suite directory: each running worker's job and result files
 
-    def __init__(self, gpus: GpuPlan, db_path: Path, out_dir: Path, train_fn: TrainFn | None) -> None:
-        self.gpus, self.db_path, self.train_fn = gpus, db_path, train_fn
+    def __init__(self, gpus: GpuPlan, store: ResultStore, out_dir: Path, train_fn: TrainFn | None) -> None:
+        self.gpus, self.store, self.db_path, self.train_fn = gpus, store, store.path, train_fn
         self.slots = GpuSlots(gpus)
         self.work = out_dir / self.WORK_DIR
-        self.held: dict[cf.Future[RunEnd], tuple[tuple[int, ...], subprocess.Popen[bytes], Path]] = {}
+        self.held: dict[cf.Future[RunEnd], tuple[tuple[int, ...], subprocess.Popen[bytes] | None, Path | None]] = {}
+
+    def _elsewhere(self, job: _Job) -> RunEnd | None:
+        """The run's end when another process has recorded it or holds it now. Only to spare a
+        worker's start (seconds of imports) and a GPU slot: the worker's claim is what decides."""
+        name = f"{job.run.label} seed {job.run.init_seed}"
+        if is_done(self.store.get(job.run.run_id)):
+            return RunEnd("done", f"{name}: recorded by another process meanwhile; skipping it")
+        claim = self.store.claims().get(job.run.run_id)
+        if claim is not None and claim.alive():
+            return RunEnd("busy", f"{name}: being trained by {claim.owner.describe()}; skipping it")
+        return None
 
     def start(self, job: _Job) -> "cf.Future[RunEnd] | None":
         from archlab.lab.worker import WorkerJob
 
+        end = self._elsewhere(job)
+        if end is not None:
+            done: cf.Future[RunEnd] = cf.Future()
+            done.set_result(end)
+            self.held[done] = ((), None, None)
+            return done
         gpus = self.slots.take()
         if gpus is None:
             return None
@@ -578,6 +601,8 @@ class _GpuLauncher:
     def ended(self, fut: "cf.Future[RunEnd]") -> None:
         gpus, _proc, files = self.held.pop(fut)
         self.slots.give(gpus)
+        if files is None:
+            return
         for name in ("job.pickle", "result.pickle"):
             (files / name).unlink(missing_ok=True)
         try:
@@ -590,7 +615,8 @@ class _GpuLauncher:
 
     def __exit__(self, *exc: object) -> None:
         for _gpus, proc, _files in list(self.held.values()):  # like a pool's shutdown(wait=True)
-            proc.wait()
+            if proc is not None:
+                proc.wait()
 
 
 Launcher = _PoolLauncher | _GpuLauncher
