@@ -368,3 +368,19 @@ def test_two_gpu_compares_on_one_suite_directory_split_it(tmp_path: Path) -> Non
         assert store.claims() == {}
     assert len(rows) == 4 and all(r.status == "finished" and r.attempts == 1 for r in rows)
     assert sorted(name for name, _ in trained()) == sorted(r.run_id for r in rows)  # each once
+
+
+def test_compare_cli_parses_the_gpu_options_and_dry_run_shows_the_placement(tmp_path: Path) -> None:
+    from archlab.cli import build_parser
+    from archlab.lab.cli import run_compare
+
+    suite_file = write_suite(tmp_path)
+    args = build_parser().parse_args(["compare", str(suite_file), "--out", str(tmp_path / "out"), "--gpus", "all",
+                                      "--runs-per-gpu", "2", "--gpus-per-run", "2", "--dry-run"])
+    console = Console(record=True, width=200, file=open(os.devnull, "w"))
+    assert run_compare(args, costs_fn=fake_costs, console=console, gpu_count=4) == 0
+    assert "placing runs on GPU 0,1,2,3: 2 per GPU, 2 per run, up to 4 at once" in console.export_text()
+    assert not (tmp_path / "out" / DB_NAME).exists()
+    bad = build_parser().parse_args(["compare", str(suite_file), "--gpus", "0", "--jobs", "2", "--dry-run"])
+    with pytest.raises(ConfigError, match="--jobs and --gpus do not combine"):
+        run_compare(bad, costs_fn=fake_costs, console=console, gpu_count=1)

@@ -132,7 +132,10 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from archlab.lab.store import DB_NAME, ResultStore
     from archlab.lab.suite import load_suite
 
+    from archlab.lab.claims import lease_s
+
     console = console or Console()
+    lease_s()  # a bad ARCHLAB_CLAIM_* setting stops here, not at the first claim after training
     suite = load_suite(args.suite)
     out = Path(args.out) if args.out else Path("runs") / suite.name
     plan = build_plan(suite, out, args.overrides, costs_fn=costs_fn)
