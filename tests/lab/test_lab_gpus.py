@@ -114,7 +114,9 @@ def test_compare_options_are_checked_against_the_devices_and_the_runs(tmp_path: 
     for kw, msg in [(dict(runs_per_gpu=2), "need --gpus"),
                     (dict(gpus="0", jobs=2), "--jobs and --gpus do not combine"),
                     (dict(gpus="0,1", gpus_per_run=3), "--gpus-per-run 3 needs at least that many GPUs"),
-                    (dict(gpus="2"), "GPU 2 does not exist")]:
+                    (dict(gpus="2"), "GPU 2 does not exist"),
+                    # N copies of a run that is not data/model parallel would be N trainers of one run
+                    (dict(gpus="0,1", gpus_per_run=2), "needs train.parallel ddp or fsdp in every run")]:
         with pytest.raises(ConfigError, match=msg):
             gpu_plan(namespace(**kw), runs, gpu_count=2)
     pinned = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "out", ["train.device=cuda:1"],
@@ -376,10 +378,10 @@ def test_compare_cli_parses_the_gpu_options_and_dry_run_shows_the_placement(tmp_
 
     suite_file = write_suite(tmp_path)
     args = build_parser().parse_args(["compare", str(suite_file), "--out", str(tmp_path / "out"), "--gpus", "all",
-                                      "--runs-per-gpu", "2", "--gpus-per-run", "2", "--dry-run"])
+                                      "--runs-per-gpu", "2", "--dry-run"])
     console = Console(record=True, width=200, file=open(os.devnull, "w"))
     assert run_compare(args, costs_fn=fake_costs, console=console, gpu_count=4) == 0
-    assert "placing runs on GPU 0,1,2,3: 2 per GPU, 2 per run, up to 4 at once" in console.export_text()
+    assert "placing runs on GPU 0,1,2,3: 2 per GPU, 1 per run, up to 8 at once" in console.export_text()
     assert not (tmp_path / "out" / DB_NAME).exists()
     bad = build_parser().parse_args(["compare", str(suite_file), "--gpus", "0", "--jobs", "2", "--dry-run"])
     with pytest.raises(ConfigError, match="--jobs and --gpus do not combine"):

@@ -58,8 +58,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="with --gpus: train up to K runs side by side on each GPU (default 1); raise it "
                         "while K runs fit in GPU memory and the suite's total tokens/s still grows")
     c.add_argument("--gpus-per-run", type=positive_int, default=None, metavar="N",
-                   help="with --gpus: give each run N GPUs and train it under torchrun (for "
-                        "train.parallel ddp/fsdp; default 1)")
+                   help="with --gpus: give each run N GPUs and train it under torchrun (needs "
+                        "train.parallel ddp or fsdp; default 1)")
     c.add_argument("--no-resume", action="store_true",
                    help="start over: move the suite directory's results and runs aside (needs --force "
                         "when there are any)")
@@ -113,7 +113,16 @@ def gpu_plan(args: argparse.Namespace, runs: list[PlannedRun], gpu_count: int | 
         raise ConfigError(f"--gpus places every run on its own GPU(s), but train.device is {pinned[0]}; "
                           "set train.device to cuda or auto")
     count = visible_gpu_count() if gpu_count is None else gpu_count
-    return GpuPlan(parse_gpus(spec, count), per_gpu or 1, per_run or 1)
+    plan = GpuPlan(parse_gpus(spec, count), per_gpu or 1, per_run or 1)
+    if plan.gpus_per_run > 1:
+        # torchrun starts N copies of archlab train; only a data/model-parallel run makes them
+        # one run (without it, N copies would train the same run into one directory).
+        modes = sorted({str(getattr(r.config.train, "parallel", None)) for r in runs})
+        if not set(modes) <= {"ddp", "fsdp"}:
+            raise ConfigError(f"--gpus-per-run {plan.gpus_per_run} trains each run under torchrun, which needs "
+                              f"train.parallel ddp or fsdp in every run (got {', '.join(modes)}); "
+                              "e.g. --set train.parallel=ddp")
+    return plan
 
 
 def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
