@@ -11,7 +11,8 @@ and ``--gpus TWO`` into another, each timed end to end (worker start-up, trainin
 and prints both wall times, their ratio, and the largest difference between the final
 validation losses of the same run in the two directories (placement must not change results:
 on CUDA it is bf16 nondeterminism only, on CPU zero). The defaults (6 runs of 600 tiny steps)
-take about 3 minutes in all on two H200s.
+should take about 3 minutes in all on two H200s (an estimate: worker start-up of about 10 s
+and a few ms per step; not yet measured); --steps and --seeds scale it.
 
 ``--device cpu`` trains on the CPU and takes the GPU indices as labels only (the placement, the
 pinned worker processes and the claims are what it checks; the times say nothing about GPUs).
