@@ -109,8 +109,8 @@ class GpuSlots:
 
     def take(self) -> tuple[int, ...] | None:
         """GPUs for one more run, or None while too few have a free slot (wait for a run to end).
-        The least used GPUs first (then the lower index), so runs spread over all GPUs before any
-        GPU gets a second run: with K slots per GPU and fewer runs than slots, each runs alone."""
+        The least used GPUs first (ties in the order --gpus names them), so runs spread over all
+        GPUs before any GPU gets a second: with fewer runs than GPUs, each runs alone."""
         free = [g for g in self.plan.gpus if self.used[g] < self.plan.runs_per_gpu]
         if len(free) < self.plan.gpus_per_run:
             return None
