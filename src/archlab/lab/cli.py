@@ -20,8 +20,9 @@ from archlab.lab.suite import builtin_suites
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from archlab.lab.gpus import GpuPlan
     from archlab.lab.latency import MeasureFn
-    from archlab.lab.plan import CostsFn
+    from archlab.lab.plan import CostsFn, PlannedRun
     from archlab.lab.runner import PrepareFn, TrainFn
 
 # The main CLI imports this module for every command, so the lab's heavy imports (scipy,
@@ -49,6 +50,16 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     c.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                    help="train N runs at once, each in its own process (small models leave a GPU "
                         "mostly idle; default: 1)")
+    c.add_argument("--gpus", metavar="IDS",
+                   help="place the runs on these GPUs: 'all' (every visible CUDA device) or indices like "
+                        "0,1; each run trains in its own process pinned to its GPU(s) "
+                        "(CUDA_VISIBLE_DEVICES); replaces --jobs")
+    c.add_argument("--runs-per-gpu", type=positive_int, default=None, metavar="K",
+                   help="with --gpus: train up to K runs side by side on each GPU (default 1); raise it "
+                        "while K runs fit in GPU memory and the suite's total tokens/s still grows")
+    c.add_argument("--gpus-per-run", type=positive_int, default=None, metavar="N",
+                   help="with --gpus: give each run N GPUs and train it under torchrun (needs "
+                        "train.parallel ddp or fsdp; default 1)")
     c.add_argument("--no-resume", action="store_true",
                    help="start over: move the suite directory's results and runs aside (needs --force "
                         "when there are any)")
@@ -90,11 +101,44 @@ def _start_over(out: Path, force: bool, console: Console) -> None:
     console.print(f"previous results moved to {dest}")
 
 
+def gpu_plan(args: argparse.Namespace, runs: list[PlannedRun], gpu_count: int | None = None) -> GpuPlan | None:
+    """``--gpus``/``--runs-per-gpu``/``--gpus-per-run`` as a ``GpuPlan`` (None without ``--gpus``),
+    checked against the CUDA devices this process sees (``gpu_count``: how many; by default
+    torch is asked) and against the runs' ``train.device``."""
+    from archlab.lab.gpus import GpuPlan, parse_gpus, visible_gpu_count
+
+    spec = getattr(args, "gpus", None)
+    per_gpu, per_run = getattr(args, "runs_per_gpu", None), getattr(args, "gpus_per_run", None)
+    if spec is None:
+        if per_gpu is not None or per_run is not None:
+            raise ConfigError("--runs-per-gpu and --gpus-per-run need --gpus")
+        return None
+    if getattr(args, "jobs", 1) > 1:
+        raise ConfigError("--jobs and --gpus do not combine: with --gpus, --runs-per-gpu sets how many runs "
+                          "share a GPU")
+    pinned = sorted({r.config.train.device for r in runs if r.config.train.device.startswith("cuda:")})
+    if pinned:
+        raise ConfigError(f"--gpus places every run on its own GPU(s), but train.device is {pinned[0]}; "
+                          "set train.device to cuda or auto")
+    count = visible_gpu_count() if gpu_count is None else gpu_count
+    plan = GpuPlan(parse_gpus(spec, count), per_gpu or 1, per_run or 1)
+    if plan.gpus_per_run > 1:
+        # torchrun starts N copies of archlab train; only a data/model-parallel run makes them
+        # one run (without it, N copies would train the same run into one directory).
+        modes = sorted({str(getattr(r.config.train, "parallel", None)) for r in runs})
+        if not set(modes) <= {"ddp", "fsdp"}:
+            raise ConfigError(f"--gpus-per-run {plan.gpus_per_run} trains each run under torchrun, which needs "
+                              f"train.parallel ddp or fsdp in every run (got {', '.join(modes)}); "
+                              "e.g. --set train.parallel=ddp")
+    return plan
+
+
 def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
                 costs_fn: CostsFn | None = None, prepare_fn: PrepareFn | None = None,
-                console: Console | None = None, measure_fn: MeasureFn | None = None) -> int:
+                console: Console | None = None, measure_fn: MeasureFn | None = None,
+                gpu_count: int | None = None) -> int:
     """The ``compare`` command; the keyword arguments replace the trainer, the cost model, data
-    preparation and the latency measurement (tests use them)."""
+    preparation, the latency measurement and the number of visible CUDA devices (tests use them)."""
     from rich.console import Console
 
     from archlab.lab.fmt import plural
@@ -106,14 +150,21 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from archlab.lab.session import Session
     from archlab.lab.suite import load_suite
 
+    from archlab.lab.claims import lease_s
+
     console = console or Console()
     session = Session(max_runs=getattr(args, "max_runs", None), seconds=getattr(args, "time_budget", None),
                       amend_seeds=getattr(args, "amend_seeds", False))
+    lease_s()  # a bad ARCHLAB_CLAIM_* setting stops here, not at the first claim after training
     suite = load_suite(args.suite)
     out = Path(args.out) if args.out else Path("runs") / suite.name
     plan = build_plan(suite, out, args.overrides, costs_fn=costs_fn)
     chosen = None if not args.variants else [v.strip() for v in args.variants.split(",") if v.strip()]
     runs = select(plan, chosen)
+    gpus = gpu_plan(args, runs, gpu_count)
+    if gpus is not None:
+        console.print(f"placing runs on GPU {','.join(map(str, gpus.gpus))}: {gpus.runs_per_gpu} per GPU, "
+                      f"{gpus.gpus_per_run} per run, up to {gpus.concurrency} at once", highlight=False)
     if args.dry_run:
         rows, live = {}, {}
         if (plan.out_dir / DB_NAME).is_file() and not args.no_resume:
@@ -127,6 +178,13 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
             if not job.path.exists():
                 console.print(f"will prepare {job.describe()} (vocab {job.vocab_size}) into {job.path}")
         return 0
+    from archlab.lab.claims import network_filesystem
+
+    fs = network_filesystem(plan.out_dir)
+    if fs is not None:  # a warning, not an error: one host alone on a network share is fine
+        console.print(f"[yellow]warning[/yellow]: {plan.out_dir} is on {fs}: {DB_NAME} (SQLite in WAL mode) "
+                      "is not safe to share between machines there; run every compare of this suite "
+                      "on one host", highlight=False)
     # Shared: other compares may work on this suite directory too (run claims keep them apart);
     # --no-resume moves results aside, so it runs alone.
     with suite_lock(plan.out_dir, exclusive=args.no_resume):
@@ -134,7 +192,8 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
             _start_over(plan.out_dir, args.force, console)
         with ResultStore(plan.out_dir / DB_NAME) as store:
             outcome = run_suite(plan, store, runs, train_fn=train_fn, prepare_fn=prepare_fn, console=console,
-                                jobs=getattr(args, "jobs", 1), measure_fn=measure_fn, session=session)
+                                jobs=getattr(args, "jobs", 1), measure_fn=measure_fn, session=session,
+                                gpus=gpus)
         md, html = write_report(plan.out_dir)
     print_report(plan.out_dir, console)
     busy = len(outcome.busy)

@@ -18,13 +18,19 @@ a run that a re-run has claimed, and workers do not outlive it anyway (``die_wit
 Two machines can split a suite the same way: both run the same ``archlab compare SUITE --out
 DIR`` on one shared suite directory, and each trains the runs nobody has claimed. A pid means
 nothing on another host, so a claim from another machine counts as live while its holder's
-heartbeat is fresh (refreshed every 30 s; gone after 5 minutes of silence); a machine that dies
+heartbeat is fresh (refreshed every 30 s; gone after 5 minutes of silence: a lease, whose two
+times ``ARCHLAB_CLAIM_HEARTBEAT_S`` and ``ARCHLAB_CLAIM_LEASE_S`` set); a machine that dies
 leaves its runs to the other one after that, resumed from the checkpoints in the shared run
 directories. The limit is SQLite's: the results database is in WAL mode, which needs every
 process that opens it to share memory with the others, so the directory must be on a filesystem
 those processes see as local, e.g. one host's disk mounted into several containers or VMs on that
 host. A network filesystem (NFS, SMB) does not qualify: SQLite documents WAL as unsupported there
 and the database can be corrupted.
+
+With ``gpus`` (``compare --gpus``) every run trains in a fresh worker process pinned to the
+GPU(s) it was given by ``CUDA_VISIBLE_DEVICES`` (``_GpuLauncher``, ``archlab.lab.worker``), as
+many at once as the GPUs have slots (``archlab.lab.gpus``); the worker claims and records its
+run like a ``--jobs`` worker, and one with several GPUs trains its run under torchrun.
 
 Downstream evaluation (a suite's ``eval.tasks``) runs in this process right after a run is
 recorded finished, on the run's final checkpoint, and is stored in one more transaction (the
@@ -44,8 +50,11 @@ import concurrent.futures as cf
 import fcntl
 import multiprocessing
 import os
+import pickle
 import statistics
 import subprocess
+import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,12 +71,12 @@ from archlab.lab.display import RUNS_DIR, SuiteEta, end_run, is_done, latest_tra
 from archlab.lab import heldout as _heldout
 from archlab.lab import latency as _latency
 from archlab.lab.fmt import duration, si
+from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices
 from archlab.lab.plan import DataJob, Plan, PlannedRun
 from archlab.lab.session import Session
 from archlab.lab.stoprule import check_seed_plan
 from archlab.lab.store import (Heartbeat, ResultStore, RunRow, RunStart, TrainOutcome,
                                downstream_key)
-
 
 
 class TrainFn(Protocol):
@@ -160,11 +169,6 @@ def final_metrics(val_curve: list[dict[str, Any]], last_k: int, fallback: tuple[
         return fallback
     return (statistics.fmean(float(p["loss"]) for p in tail),
             statistics.fmean(float(p["bpb"]) for p in tail))
-
-
-
-
-
 
 
 @contextmanager
@@ -316,7 +320,7 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
               prepare_fn: PrepareFn | None = None, console: Console | None = None,
               stop_after_steps: int | None = None, jobs: int = 1,
               eval_fn: EvalFn | None = None, measure_fn: _latency.MeasureFn | None = None,
-              session: Session | None = None) -> SuiteOutcome:
+              session: Session | None = None, gpus: GpuPlan | None = None) -> SuiteOutcome:
     """Train every run of ``runs`` that is not finished, in order, recording each in ``store``.
 
     ``stop_after_steps`` is passed to the trainer (a time-boxed session, or a test of resuming);
@@ -325,6 +329,9 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     setting) and the suite goes on; any other error propagates, leaving the run resumable.
     A run another live process is training is skipped (``SuiteOutcome.busy``).
     ``jobs > 1`` trains that many runs at once, each in its own process (see ``_run_parallel``).
+    ``gpus`` places every run on GPUs instead (``archlab.lab.gpus``; ``jobs`` is then unused): each
+    run in a fresh process pinned to its GPU(s) by ``CUDA_VISIBLE_DEVICES``, as many at once as
+    the GPUs have slots.
     With ``eval.tasks`` in the suite, every finished run is evaluated on them (``eval_fn``, by
     default ``evaluate_run``); the task data is read before anything trains.
     Then, unless a run stopped short, the latency of every label of ``runs`` that the suite's
@@ -347,16 +354,20 @@ def run_suite(plan: Plan, store: ResultStore, runs: list[PlannedRun], *, train_f
     _prepare_missing(plan, todo, prepare_fn, console)
     _heldout.precheck(plan)  # the suite's eval_data corpora: there, and tokenized as the runs are
     revision = code_revision()
-    parallel = jobs > 1 and len(todo) > 1
-    eta = SuiteEta(plan, {r.run_id: r for r in store.runs()}, todo, jobs if parallel else 1)
+    # With GPUs even a single run goes to a worker: this process must not pick a GPU for it.
+    parallel = gpus is not None or (jobs > 1 and len(todo) > 1)
+    at_once = gpus.concurrency if gpus is not None else jobs
+    eta = SuiteEta(plan, {r.run_id: r for r in store.runs()}, todo, at_once if parallel else 1)
     with make_progress(console) as progress:
         overall = progress.add_task(f"suite {plan.suite.name}", total=len(runs), completed=tally.skipped,
                                     eta=eta)
         if downstream is not None:
             downstream.catch_up(progress)
         if parallel:
-            _run_parallel(plan, store, todo, tally, revision, progress, overall, train_fn, stop_after_steps,
-                          jobs, eta, downstream, session)
+            launcher = (_GpuLauncher(gpus, store, plan.out_dir, train_fn) if gpus is not None
+                        else _PoolLauncher(jobs, store.path, train_fn))
+            _run_parallel(plan, todo, tally, revision, progress, overall, stop_after_steps, eta, launcher,
+                          downstream, session)
         else:
             train = train_fn or _real_train()
             for run in todo:
@@ -466,7 +477,6 @@ def _missing(store: ResultStore, run: PlannedRun, tasks: tuple[str, ...], limit:
     return [t for t in tasks if t not in have]
 
 
-
 def _headline(r: dict[str, Any]) -> str:
     """acc_norm for multiple choice, acc for LAMBADA (what the report shows)."""
     return f"acc_norm {r['acc_norm']:.4f}" if r.get("acc_norm") is not None else f"acc {r['acc']:.4f}"
@@ -489,14 +499,145 @@ def _train_worker(db_path: Path, job: _Job, train_fn: TrainFn | None) -> RunEnd:
         return _train_claimed(store, job, train)
 
 
+class _PoolLauncher:
+    """``--jobs N``: a pool of N spawned worker processes, reused from run to run."""
+
+    def __init__(self, jobs: int, db_path: Path, train_fn: TrainFn | None) -> None:
+        self.jobs, self.db_path, self.train_fn = jobs, db_path, train_fn
+        self.running = 0
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        # Workers are spawned by pool.submit in this (the main) thread, and none is replaced while
+        # the pool runs (no max_tasks_per_child): PR_SET_PDEATHSIG fires when the spawning *thread*
+        # ends.
+        self.pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=die_with_parent,
+                                           initargs=(os.getpid(),))
+
+    def start(self, job: _Job) -> "cf.Future[RunEnd] | None":
+        if self.running >= self.jobs:
+            return None
+        self.running += 1
+        return self.pool.submit(_train_worker, self.db_path, job, self.train_fn)
+
+    def has_room(self) -> bool:
+        return self.running < self.jobs
+
+    def ended(self, fut: "cf.Future[RunEnd]") -> None:
+        self.running -= 1
+
+    def __enter__(self) -> "_PoolLauncher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
 
 
+class _GpuLauncher:
+    """``--gpus``: one fresh process per run (``python -m archlab.lab.worker``), started with
+    ``CUDA_VISIBLE_DEVICES`` naming the GPUs ``GpuSlots`` gave it, which get them back when it
+    ends. A process per run, not a pool: CUDA reads that variable once, when it starts in a
+    process, so a process that has trained on one GPU cannot train the next run on another."""
 
-def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally: _Tally, revision: str,
-                  progress: Progress, overall: TaskID, train_fn: TrainFn | None,
-                  stop_after_steps: int | None, jobs: int, eta: SuiteEta,
+    WORK_DIR = ".workers"  # in the suite directory: each running worker's job and result files
+
+    def __init__(self, gpus: GpuPlan, store: ResultStore, out_dir: Path, train_fn: TrainFn | None) -> None:
+        self.gpus, self.store, self.db_path, self.train_fn = gpus, store, store.path, train_fn
+        self.slots = GpuSlots(gpus)
+        self.work = out_dir / self.WORK_DIR
+        self.held: dict[cf.Future[RunEnd], tuple[tuple[int, ...], subprocess.Popen[bytes] | None, Path | None]] = {}
+
+    def _elsewhere(self, job: _Job) -> RunEnd | None:
+        """The run's end when another process has recorded it or holds it now. Only to spare a
+        worker's start (seconds of imports) and a GPU slot: the worker's claim is what decides."""
+        name = f"{job.run.label} seed {job.run.init_seed}"
+        if is_done(self.store.get(job.run.run_id)):
+            return RunEnd("done", f"{name}: recorded by another process meanwhile; skipping it")
+        claim = self.store.claims().get(job.run.run_id)
+        if claim is not None and claim.alive():
+            return RunEnd("busy", f"{name}: being trained by {claim.owner.describe()}; skipping it")
+        return None
+
+    def has_room(self) -> bool:
+        gpus = self.slots.take()
+        if gpus is None:
+            return False
+        self.slots.give(gpus)
+        return True
+
+    def start(self, job: _Job) -> "cf.Future[RunEnd] | None":
+        from archlab.lab.worker import WorkerJob
+
+        end = self._elsewhere(job)
+        if end is not None:
+            done: cf.Future[RunEnd] = cf.Future()
+            done.set_result(end)
+            self.held[done] = ((), None, None)
+            return done
+        gpus = self.slots.take()
+        if gpus is None:
+            return None
+        # Unique per attempt: a worker of an earlier compare, killed, may have left its files.
+        files = self.work / f"{job.run.run_id}.{os.getpid()}"
+        files.mkdir(parents=True, exist_ok=True)
+        job_file, result_file = files / "job.pickle", files / "result.pickle"
+        result_file.unlink(missing_ok=True)
+        with open(job_file, "wb") as f:
+            pickle.dump(WorkerJob(self.db_path, job, self.train_fn, self.gpus.gpus_per_run), f)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=child_visible_devices(gpus),
+                   # what multiprocessing's spawn does for --jobs workers: the same imports as here
+                   PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+        # Started from this (the main) thread: the worker's PR_SET_PDEATHSIG is tied to it.
+        proc = subprocess.Popen([sys.executable, "-m", "archlab.lab.worker", str(job_file), str(result_file),
+                                 str(os.getpid())], env=env, stdin=subprocess.DEVNULL)
+        fut: cf.Future[RunEnd] = cf.Future()
+        self.held[fut] = (gpus, proc, files)
+        threading.Thread(target=self._wait, args=(proc, result_file, job.run.run_id, fut),
+                         name=f"archlab-worker-{proc.pid}", daemon=True).start()
+        return fut
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen[bytes], result_file: Path, run_id: str, fut: cf.Future[RunEnd]) -> None:
+        rc = proc.wait()
+        try:
+            with open(result_file, "rb") as f:
+                value = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            fut.set_exception(ArchlabError(f"the worker process training {run_id} exited with {rc} and "
+                                           "left no result (killed?); the run is resumable"))
+            return
+        if isinstance(value, BaseException):
+            fut.set_exception(value)
+        else:
+            fut.set_result(value)
+
+    def ended(self, fut: "cf.Future[RunEnd]") -> None:
+        gpus, _proc, files = self.held.pop(fut)
+        self.slots.give(gpus)
+        if files is None:
+            return
+        for name in ("job.pickle", "result.pickle"):
+            (files / name).unlink(missing_ok=True)
+        try:
+            files.rmdir()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "_GpuLauncher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _gpus, proc, _files in list(self.held.values()):  # like a pool's shutdown(wait=True)
+            if proc is not None:
+                proc.wait()
+
+
+Launcher = _PoolLauncher | _GpuLauncher
+
+
+def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: str, progress: Progress, overall: TaskID,
+                  stop_after_steps: int | None, eta: SuiteEta, launcher: Launcher,
                   downstream: _Downstream | None = None, session: Session | None = None) -> None:
-    """Train up to ``jobs`` runs at once, each in a fresh (spawned) process.
+    """Train several runs at once, each in its own process, as ``launcher`` starts them: a pool
+    of ``--jobs`` workers, or a process per run pinned to its GPUs (``--gpus``).
 
     Small models leave a GPU mostly idle between kernel launches, so several runs side by side
     finish a suite sooner; each run is still exactly the run ``jobs=1`` would train (its own
@@ -507,23 +648,24 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally:
     has gone to the next run (training does not wait for them; the bars pause meanwhile).
     """
     error: BaseException | None = None
-    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-    # Workers are spawned by pool.submit in this (the main) thread, and none is replaced while the
-    # pool runs (no max_tasks_per_child): PR_SET_PDEATHSIG fires when the spawning *thread* ends.
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=die_with_parent,
-                                initargs=(os.getpid(),)) as pool:
+    with launcher:
         pending: dict[cf.Future[RunEnd], tuple[PlannedRun, TaskID]] = {}
         queue = list(todo)
 
         def submit() -> None:
-            while queue and len(pending) < jobs and error is None:
-                run = queue.pop(0)
+            while queue and error is None:
+                run = queue[0]
+                if not launcher.has_room():
+                    return  # every slot busy: the next run waits for one to end
                 if session is not None and not session.admit(plan, eta.rows, run):
+                    queue.pop(0)  # held back for a later call (--max-runs / --time-budget)
                     continue
+                fut = launcher.start(_job(plan, run, revision, stop_after_steps))
+                if fut is None:
+                    return
+                queue.pop(0)
                 task = progress.add_task(f"{run.label} seed {run.init_seed}", total=run.steps, loss="-",
                                          tok_s="-")
-                fut = pool.submit(_train_worker, store.path, _job(plan, run, revision, stop_after_steps),
-                                  train_fn)
                 pending[fut] = (run, task)
 
         submit()
@@ -538,6 +680,7 @@ def _run_parallel(plan: Plan, store: ResultStore, todo: list[PlannedRun], tally:
             evaluate: list[PlannedRun] = []
             for fut in done:
                 run, task = pending.pop(fut)
+                launcher.ended(fut)
                 try:
                     end = fut.result()
                 except BaseException as e:  # noqa: BLE001 - re-raised once the running runs end

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Protocol
 
 from archlab.errors import ArchlabError
-from archlab.lab.claims import HEARTBEAT_S, Owner, holder_alive
+from archlab.lab.claims import Owner, heartbeat_s, holder_alive
 
 SCHEMA_VERSION = 5
 DB_NAME = "results.sqlite"
@@ -713,15 +713,16 @@ def _claim(r: sqlite3.Row) -> Claim:
 
 
 class Heartbeat:
-    """While a process trains or evaluates, refresh its claims every ``every`` seconds from a
+    """While a process trains or evaluates, refresh its claims every ``every`` seconds (by default
+    ``archlab.lab.claims.heartbeat_s``) from a
     thread (with its own connection: a SQLite connection belongs to one thread), and sample how
     many runs this host is training (``peak``: the most seen, the run's ``runs_at_once``).
 
     Use as a context manager around the work; a failed refresh (the database busy for longer
     than its timeout) is retried on the next beat rather than ending the work."""
 
-    def __init__(self, path: str | Path, owner: Owner, every: float = HEARTBEAT_S) -> None:
-        self.path, self.owner, self.every = Path(path), owner, every
+    def __init__(self, path: str | Path, owner: Owner, every: float | None = None) -> None:
+        self.path, self.owner, self.every = Path(path), owner, heartbeat_s() if every is None else every
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="archlab-claim-heartbeat", daemon=True)
