@@ -149,7 +149,11 @@ def _stop_quietly_on_sigterm(rank: int) -> None:
 
 def rank_error(env: DistEnv, e: BaseException) -> BaseException:
     """The exception a rank leaves with: an ArchlabError keeps its type with the rank in front;
-    a failed collective (a peer gone or timed out) becomes one DistributedError line."""
+    a failed collective (a peer gone or timed out) becomes one DistributedError line.
+
+    From here on the rank ignores torchrun's SIGTERM: it is leaving with its own error line
+    already, and a second line ("stopped by torchrun") would only blur which one to read."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if isinstance(e, ArchlabError):
         return type(e)(f"rank {env.rank}: {e}")
     if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and _looks_like_lost_peer(e)):
