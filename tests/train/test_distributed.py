@@ -91,11 +91,13 @@ def reference(stdlib_data, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("variant,parallel", [("baseline", "ddp"), ("baseline", "fsdp"), ("decode-branch", "fsdp"),
-                                              ("moe-branch", "ddp"), ("mhar", "fsdp")])
-def test_two_processes_match_one_process(stdlib_data, tmp_path, reference, variant, parallel):
+@pytest.mark.parametrize("variant,parallel,checkpointing", [
+    ("baseline", "ddp", False), ("baseline", "fsdp", False), ("decode-branch", "fsdp", True),
+    ("moe-branch", "ddp", False), ("moe-branch", "fsdp", True), ("mhar", "fsdp", False)])
+def test_two_processes_match_one_process(stdlib_data, tmp_path, reference, variant, parallel, checkpointing):
     out = tmp_path / "run"
-    _torchrun(stdlib_data, out, *VARIANTS[variant], f"train.parallel={parallel}")
+    _torchrun(stdlib_data, out, *VARIANTS[variant], f"train.parallel={parallel}",
+              f"train.activation_checkpointing={str(checkpointing).lower()}")
     _assert_same_curve(_losses(out), _losses(reference(variant)))
     # the final checkpoint holds the gathered weights (what eval reads)
     state = json.loads((out / "ckpt" / "step_0000008" / "state.json").read_text())

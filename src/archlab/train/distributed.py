@@ -12,8 +12,8 @@ Gradients are averaged over ranks (DDP's all-reduce or FSDP's reduce-scatter), a
 loss and the validation loss are averaged too, so rank 0's logs are those of the global batch.
 
 Layouts (``train.parallel``): ``ddp`` replicates the model (DistributedDataParallel); ``fsdp``
-shards parameters, gradients and optimizer state (FSDP2 ``fully_shard``, one unit per block and
-the rest in the root unit), computing in bf16 with fp32 gradient reduction on CUDA and in fp32
+shards parameters, gradients and optimizer state (FSDP2 ``fully_shard``, one unit per sublayer
+module of each block, the rest in the root unit), computing in bf16 with fp32 gradient reduction on CUDA and in fp32
 on CPU. ``none`` under torchrun means ddp: a launch of several processes wants data parallelism,
 and failing would only make the user type the obvious choice.
 
@@ -25,6 +25,7 @@ peer hangs rather than dies fails too.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -207,8 +208,8 @@ def prepare_blocks(model: nn.Module, tc) -> None:
 
 def wrap(model: nn.Module, tc, env: DistEnv) -> nn.Module:
     """``model`` (on ``env.device``) laid out over the ranks; build the optimizer on the result."""
-    prepare_blocks(model, tc)
     if env.parallel == "ddp":
+        prepare_blocks(model, tc)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [env.device.index] if env.device.type == "cuda" else None
@@ -216,7 +217,7 @@ def wrap(model: nn.Module, tc, env: DistEnv) -> nn.Module:
         # identical everywhere even if a rank's initialisation differed.
         return DDP(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     if env.device.type == "cuda" and tc.dtype != "float32":
@@ -224,10 +225,18 @@ def wrap(model: nn.Module, tc, env: DistEnv) -> nn.Module:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()  # fp32 on CPU/gloo (and when train.dtype=float32)
+    # Units per sublayer, not per block: the decoder calls a block's attention and FFN
+    # separately (Block.ENTRY_POINTS), never block.forward, so a block-wide unit would be
+    # gathered twice per pass; each sublayer module is gathered exactly once per call.
+    # Compilation is per unit, before sharding (FSDP's hooks stay outside the compiled code);
+    # activation checkpointing wraps the block's entry points, around the units.
+    prepare_blocks(model, dataclasses.replace(tc, compile=False))
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-        for name in block.ENTRY_POINTS:  # the decoder calls these, never block.forward
-            register_fsdp_forward_method(block, name)
+        for name in block.SHARD_UNITS:
+            unit = getattr(block, name)
+            if tc.compile:
+                unit.compile()
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
     # The root unit: embeddings, head (tied to the embedding or not), final norm, and the
     # variants' parameters outside the blocks (AttnRes queries, branch tables).
     fully_shard(model, mesh=mesh, mp_policy=mp)
