@@ -5,6 +5,8 @@ Hooks, chosen by environment variables (the product has none of them):
 - ``ARCHLAB_TEST_KILL=R:S``: rank R kills itself with SIGKILL as it starts step S (a real,
   unannounced death: no exception, no cleanup);
 - ``ARCHLAB_TEST_FAIL=R:S``: rank R raises an ArchlabError at step S;
+- ``ARCHLAB_TEST_HANG=R:S``: rank R stops at step S and waits forever (alive, never joining
+  the next collective);
 - ``ARCHLAB_TEST_DUMP=PREFIX``: the whole model and optimizer state, gathered from the ranks
   (``get_state_dict(full_state_dict=True)``, not through the checkpoint files), written by rank 0
   to ``PREFIX.resume.safetensors`` right after resuming and ``PREFIX.final.safetensors`` after
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 from safetensors.torch import save_file
@@ -54,12 +57,15 @@ def _dump(run, tag: str) -> None:
 
 
 def _install_hooks() -> None:
-    kill, fail = _hook("ARCHLAB_TEST_KILL"), _hook("ARCHLAB_TEST_FAIL")
+    kill, fail, hang = _hook("ARCHLAB_TEST_KILL"), _hook("ARCHLAB_TEST_FAIL"), _hook("ARCHLAB_TEST_HANG")
     step_fn, resume_fn, save_fn = trainer.Run.train_step, trainer.Run.try_resume, trainer.Run.save
 
     def train_step(self, step):
         if kill == (self.dist.rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if hang == (self.dist.rank, step):
+            while True:
+                time.sleep(1)
         if fail == (self.dist.rank, step):
             raise DataError(f"test hook: rank {self.dist.rank} cannot go on at step {step}")
         return step_fn(self, step)

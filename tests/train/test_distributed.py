@@ -187,6 +187,17 @@ def test_an_error_on_one_rank_is_one_line_and_every_rank_stops(stdlib_data, tmp_
     assert "[rank0]" not in proc.stderr and "[rank1]" not in proc.stderr
 
 
+def test_a_hanging_rank_times_out_instead_of_hanging_the_run(stdlib_data, tmp_path):
+    """A rank that stays alive but never joins the next collective: the others' collective
+    fails after train.dist_timeout_s with one line, and torchrun stops the hanging rank."""
+    proc = _torchrun(stdlib_data, tmp_path / "run", "train.parallel=ddp", "train.dist_timeout_s=5",
+                     env={"ARCHLAB_TEST_HANG": "1:2"}, worker=True, check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("archlab: rank 0:")]
+    assert len(lines) == 1 and "lost contact with another rank" in lines[0], proc.stderr[-2000:]
+    assert "[rank0]" not in proc.stderr
+
+
 # ---- in one process: the parts that need no second process ---------------------------------------
 def test_layout_options_do_not_change_the_run_identity():
     a = make_config("tiny")
