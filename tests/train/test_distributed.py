@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,16 +145,17 @@ def test_fsdp_checkpoint_loads_on_one_process_and_consolidates(stdlib_data, tmp_
         assert torch.equal(v, truth[k]), k
 
 
-def test_one_process_checkpoint_resumes_on_two_processes(stdlib_data, tmp_path, reference):
-    """Save on 1 process (safetensors), resume on 2 (DDP): the state each rank holds after
-    loading is the saved one, and the rest of the curve is the uninterrupted run's."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_one_process_checkpoint_resumes_on_two_processes(stdlib_data, tmp_path, reference, parallel):
+    """Save on 1 process (safetensors), resume on 2: the state the ranks hold after loading
+    is the saved one, and the rest of the curve is the uninterrupted run's."""
     out, dump = tmp_path / "run", tmp_path / "dump"
     cfg = _cfg(stdlib_data)
     train(cfg, out, stop_after_steps=4, show_progress=False)
     run1 = Run(cfg, out)
     assert run1.try_resume() and run1.step == 4
     saved = flat_state(run1.model, run1.opt)
-    proc = _torchrun(stdlib_data, out, "train.parallel=ddp", env={"ARCHLAB_TEST_DUMP": str(dump)}, worker=True)
+    proc = _torchrun(stdlib_data, out, f"train.parallel={parallel}", env={"ARCHLAB_TEST_DUMP": str(dump)}, worker=True)
     assert f"resuming from step 4 of {out}" in proc.stderr
     loaded = load_file(f"{dump}.resume.safetensors")
     assert loaded.keys() == saved.keys()
@@ -171,9 +173,14 @@ def test_a_killed_rank_stops_every_rank_and_the_run_resumes(stdlib_data, tmp_pat
     lines = [line for line in proc.stderr.splitlines() if line.startswith("archlab: rank 0:")]
     assert len(lines) == 1 and ("lost contact with another rank" in lines[0] or "stopped by torchrun" in lines[0])
     assert (out / "ckpt" / "latest").read_text().strip() == "step_0000004"
+    single = tmp_path / "single"
+    shutil.copytree(out, single)
     proc = _torchrun(stdlib_data, out, "train.parallel=fsdp")
     assert f"resuming from step 4 of {out}" in proc.stderr
     _assert_same_curve(_losses(out), _losses(reference("baseline")))
+    # the same sharded checkpoint, resumed by one process (no process group)
+    train(_cfg(stdlib_data, "train.parallel=fsdp"), single, show_progress=False)
+    _assert_same_curve(_losses(single), _losses(reference("baseline")))
 
 
 def test_an_error_on_one_rank_is_one_line_and_every_rank_stops(stdlib_data, tmp_path):
