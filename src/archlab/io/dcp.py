@@ -83,7 +83,10 @@ class SafeReader(dcp.FileSystemReader):
     docstring)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
+        if hasattr(self, "_get_metadata_path"):  # torch >= 2.12: also per-rank metadata files
+            path = self._get_metadata_path(kwargs.get("rank"))
+        else:
+            path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as f:
             raw = f.read()
         try:
@@ -95,7 +98,7 @@ class SafeReader(dcp.FileSystemReader):
             raise CheckpointError(f"sharded checkpoint {self.path}: .metadata holds no DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
 
 
