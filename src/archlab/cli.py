@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def cmd_train(args) -> int:
 
     out = Path(args.out or f"runs/{args.preset}")
     res = train(cfg, out, resume=args.resume == "auto")
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun, rank 0 reports for the run
     print(f"done: {res.steps} steps, {res.tokens:,} tokens, val loss {res.final_val_loss:.4f} "
           f"({res.final_val_bpb:.4f} bits/byte), {res.tokens_per_s:,.0f} tok/s on {res.device}"
           + (f", MFU {res.mfu:.1%}" if res.mfu else "") + f"; checkpoints in {out / 'ckpt'}")
@@ -128,6 +131,15 @@ def cmd_info(args) -> int:
                           f"{r['params']:,}", f"{r['prefill_flops_per_token']:,.0f}",
                           f"{r['decode_flops_per_token']:,.0f}", f"{r['kv_bytes_per_token']:,}")
             console.print(t)
+    return 0
+
+
+def cmd_checkpoint_consolidate(args) -> int:
+    from archlab.io.dcp import consolidate
+
+    out = consolidate(args.ckpt, args.out)
+    print(f"wrote {out}: the sharded checkpoint {args.ckpt} as one safetensors checkpoint "
+          "(eval, generate and serve read it; a one-process train resumes from it)")
     return 0
 
 
@@ -242,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--list", action="store_true",
                    help="list every config key with its type and default, and the kinds of every slot")
     c.set_defaults(func=cmd_config)
+
+    ck = sub.add_parser("checkpoint", help="checkpoint tools: consolidate a distributed run's sharded checkpoint")
+    ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True, parser_class=_Parser)
+    cc = ck_sub.add_parser("consolidate", help="write a sharded (DCP) checkpoint as one safetensors checkpoint",
+                           description="Read a checkpoint written by a distributed run (torchrun; sharded with "
+                                       "torch.distributed.checkpoint) in this one process and write it as a "
+                                       "one-process checkpoint: model.safetensors, optim.safetensors, state.json. "
+                                       "Read only checkpoints you trust: see docs/distributed.md.")
+    cc.add_argument("ckpt", metavar="CKPT", help="run directory, its ckpt directory, or a checkpoint directory")
+    cc.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    cc.set_defaults(func=cmd_checkpoint_consolidate)
 
     from archlab.analysis.cli import register as register_analysis
     from archlab.infer.cli import register as register_infer

@@ -60,6 +60,18 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = 0  # CPU threads for torch (0 = torch's default)
+    # Several processes (torchrun; docs/distributed.md). These say how a run is laid out over
+    # processes, not what it computes, so they are left out of the config hash (LAYOUT_FIELDS).
+    # none: one process; under torchrun (WORLD_SIZE > 1) "none" means ddp, the layout that
+    # needs no choice. ddp: every rank holds the whole model. fsdp: parameters, gradients and
+    # optimizer state sharded over the ranks (FSDP2, one unit per block).
+    parallel: Literal["none", "ddp", "fsdp"] = "none"
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    dist_timeout_s: int = 600  # a collective that waits longer than this fails the run
+
+    #: fields that choose a layout over processes; equal runs with different layouts resume
+    #: each other's checkpoints, and a config at their defaults hashes as it did before they existed
+    LAYOUT_FIELDS = ("parallel", "activation_checkpointing", "dist_timeout_s")
 
     @property
     def tokens_per_step(self) -> int:
@@ -74,6 +86,7 @@ class TrainConfig:
                f"must be in 0..steps={self.steps}")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check(0 < self.decay_frac <= 1, "train.decay_frac", "must be in (0, 1]")
+        check(self.dist_timeout_s > 0, "train.dist_timeout_s", f"must be positive, got {self.dist_timeout_s}")
         check(self.threads >= 0, "train.threads", f"must be >= 0 (0 = torch's default), got {self.threads}")
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                "train.device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
@@ -93,13 +106,22 @@ class RunConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data),
-                "train": dataclasses.asdict(self.train)}
+        # Layout fields at their defaults are left out, so that configs, run ids and hashes of
+        # single-process runs stay what they were before the fields existed.
+        train = {k: v for k, v in dataclasses.asdict(self.train).items()
+                 if k not in TrainConfig.LAYOUT_FIELDS or v != getattr(_TRAIN_DEFAULTS, k)}
+        return {"model": self.model.to_dict(), "data": dataclasses.asdict(self.data), "train": train}
 
     def hash(self) -> str:
-        """A stable hash of everything that changes what a run computes."""
-        blob = json.dumps(self.to_dict(), sort_keys=True)
+        """A stable hash of everything that changes what a run computes (not its layout over
+        processes: a run saved by 2 processes resumes on 1 and the other way round)."""
+        tree = self.to_dict()
+        tree["train"] = {k: v for k, v in tree["train"].items() if k not in TrainConfig.LAYOUT_FIELDS}
+        blob = json.dumps(tree, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_TRAIN_DEFAULTS = TrainConfig()
 
 
 # --------------------------------------------------------------------------------------------

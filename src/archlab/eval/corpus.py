@@ -53,23 +53,39 @@ class CorpusScore:
 @torch.no_grad()
 def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_size: int, seq_len: int, *,
                      device: torch.device | str = "cpu",
-                     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> CorpusScore:
+                     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                     ranks: Any = None) -> CorpusScore:
     """Loss and bits per byte of ``model`` on the first validation windows of ``data`` (a
-    ``TokenData``). The model is left in the train/eval mode it came in."""
+    ``TokenData``). The model is left in the train/eval mode it came in.
+
+    ``ranks`` (a ``train.distributed.DistEnv``, under torchrun): each rank scores its own rows of
+    every batch and the sums are added over ranks, so every rank returns the one-process score. A
+    batch whose rows do not divide among the ranks (the last one of a clipped split) runs whole
+    on every rank (FSDP needs every rank in every forward) and is counted by rank 0 alone."""
     was_training = model.training
     model.eval()
-    nats, tokens, n_bytes = 0.0, 0, 0
+    sums = [0.0, 0, 0]  # nats, tokens, bytes
     try:
         for x, y in data.val_batches(n_batches, batch_size, seq_len):
+            counted = True
+            if ranks is not None:
+                if x.shape[0] % ranks.world_size == 0:
+                    x, y = ranks.rows(x), ranks.rows(y)
+                else:
+                    counted = ranks.is_main
             with autocast():
                 out = model(x.to(device), y.to(device))
-            # nll is the mean over this batch's targets; the last batch may be smaller, so
-            # weight by its size to get the mean over all scored tokens.
-            nats += float(out.nll) * y.numel()
-            tokens += y.numel()
-            n_bytes += data.target_bytes(y)
+            if counted:
+                # nll is the mean over this batch's targets; the last batch may be smaller, so
+                # weight by its size to get the mean over all scored tokens.
+                sums[0] += float(out.nll) * y.numel()
+                sums[1] += y.numel()
+                sums[2] += data.target_bytes(y)
     finally:
         model.train(was_training)
+    if ranks is not None:
+        sums = ranks.sum(sums)
+    nats, tokens, n_bytes = sums[0], int(sums[1]), int(sums[2])
     return CorpusScore(loss=nats / tokens, bpb=nats / math.log(2) / n_bytes, tokens=tokens, bytes=n_bytes,
                        tokens_requested=n_batches * batch_size * seq_len)
 

@@ -207,13 +207,31 @@ def write_checkpoint(target: Path, tensors: dict[str, dict[str, torch.Tensor]], 
 def _build(tmp: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
            extra_files: dict[str, Path] | None) -> None:
     tmp.mkdir()
-    files: dict[str, str] = {}
+    names = []
     for name, tdict in tensors.items():
         p = tmp / f"{name}.safetensors"
         with _naming(p):
             save_file(tdict, str(p))
+        names.append(p.name)
+    finish_build(tmp, names, state, extra_files)
+
+
+def finish_build(tmp: Path, written: list[str], state: dict[str, Any],
+                 extra_files: dict[str, Path] | None) -> None:
+    """Complete a checkpoint being built in ``tmp`` whose files ``written`` are there already:
+    fsync and hash them, copy ``extra_files`` in, write ``state.json`` (used directly by the
+    sharded format, whose shards every rank writes itself; ``archlab.io.dcp``)."""
+    files: dict[str, str] = {}
+    for name in written:
+        p = tmp / name
+        with _naming(p):
             _fsync_file(p)
-        files[p.name] = file_sha256(p)
+        files[name] = file_sha256(p)
+    for p in sorted(tmp.rglob("*")):  # files written by other processes (sharded checkpoints)
+        if p.name in files:
+            continue
+        with _naming(p):
+            _fsync_dir(p) if p.is_dir() else _fsync_file(p)
     for name, src in (extra_files or {}).items():
         p = tmp / name
         with _naming(p):
@@ -225,6 +243,18 @@ def _build(tmp: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict[s
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         _fsync_file(tmp / "state.json")
     _fsync_dir(tmp)
+
+
+def install_built(tmp: Path, target: Path) -> None:
+    """Rename a finished checkpoint build into place (see ``_install``) and make it durable."""
+    with full_disk_is_an_error(target, _kept_on_failure(target)):
+        _install(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def discard(path: Path) -> None:
+    """Remove a checkpoint being built (never raises)."""
+    _discard(path)
 
 
 def _install(tmp: Path, target: Path) -> None:
@@ -360,6 +390,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         raise CheckpointError(f"checkpoint {ckpt} holds an invalid config: {e}") from None
     except KeyError:
         raise CheckpointError(f"checkpoint {ckpt}: state.json has no config") from None
+    if state.get("format") == "dcp" and "model.safetensors" not in state.get("files", {}):
+        raise CheckpointError(f"checkpoint {ckpt} is sharded (saved by a distributed run before its end); "
+                              f"write its weights as safetensors first: archlab checkpoint consolidate {ckpt} "
+                              "--out DIR")
     model = build_model(cfg.model)
     load_weights(model, load_tensors(ckpt, "model"), ckpt)
     return model.to(device), cfg, ckpt

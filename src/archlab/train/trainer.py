@@ -8,6 +8,7 @@ RNG states, so a resumed run continues exactly as if it had never stopped (bitwi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -25,6 +26,8 @@ from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.model import build_model
 from archlab.model.accounting import mfu_flops_per_token, param_counts
 from archlab.io import checkpoint as ckpt_io
+from archlab.io import dcp as dcp_io
+from archlab.train import distributed
 from archlab.train.cuda_graph import GraphedStep
 from archlab.io.device import device_name, peak_flops, resolve_device
 from archlab.train.progress import TrainProgress
@@ -75,7 +78,7 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.o
 
 
 # ---- optimizer state <-> safetensors (no pickle) ------------------------------------------------
-def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     sd = opt.state_dict()
     tensors = {}
     for idx, st in sd["state"].items():
@@ -99,25 +102,41 @@ def _load_optim(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], me
 
 # ---- the run -----------------------------------------------------------------------------------
 class Run:
-    def __init__(self, cfg: RunConfig, out_dir: Path):
+    """One training run in this process. ``dist``: this process's place in a distributed run
+    (``archlab.train.distributed.setup``), or None for a single process; the model is then
+    wrapped (DDP/FSDP), each step takes this rank's rows of the global batch, and checkpoints
+    are sharded (``archlab.io.dcp``)."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, dist: distributed.DistEnv | None = None):
         from archlab.data.loader import TokenData
 
-        self.cfg, self.out = cfg, Path(out_dir)
+        self.cfg, self.out, self.dist = cfg, Path(out_dir), dist
         tc = cfg.train
         self.data = TokenData(cfg.data.path)
         self.data.check_model_vocab(cfg.model.vocab_size)
-        self.device = resolve_device(tc.device)
+        self.device = dist.device if dist is not None else resolve_device(tc.device)
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        torch.manual_seed(tc.seed)
+        torch.manual_seed(tc.seed)  # the same seed on every rank: identical initial weights
         self.model = build_model(cfg.model).to(self.device)
+        if dist is not None:
+            self.model = distributed.wrap(self.model, tc, dist)
         self.opt = make_optimizer(self.model, tc, self.device)
         use_bf16 = tc.dtype == "bfloat16" or (tc.dtype == "auto" and self.device.type == "cuda")
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext())
-        self.step_fn = torch.compile(self.model) if tc.compile else self.model
+        if dist is None and tc.activation_checkpointing:
+            distributed.prepare_blocks(self.model, dataclasses.replace(tc, compile=False))
+        # Distributed, compilation is per block (distributed.wrap): a graph per block is what
+        # DDP's bucketing and FSDP's per-block gathers work with.
+        self.step_fn = torch.compile(self.model) if tc.compile and dist is None else self.model
         self.graphed = GraphedStep(self._update, self.opt, self.device) if tc.cuda_graph else None
         self.step = 0
         self.last_eval = None  # the latest evaluate()'s CorpusScore
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs, metrics and the checkpoint's shared files."""
+        return self.dist is None or self.dist.is_main
 
     # The whole training step. Returns the loss as a tensor: reading it would make the host wait
     # for the device, so the loop reads it one step later, while the next step is already queued.
@@ -126,6 +145,8 @@ class Run:
         batches = []
         for micro in range(tc.grad_accum):
             x, y = self.data.train_batch(step, micro, tc.batch_size, tc.seq_len, self.cfg.data.seed)
+            if self.dist is not None:  # this rank's rows of the batch one process would draw
+                x, y = self.dist.rows(x), self.dist.rows(y)
             batches.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         if self.graphed is not None:  # the same update, replayed as one CUDA graph
             self.graphed.set_lr(lr_at(step, tc))
@@ -142,10 +163,12 @@ class Run:
                 loss = self.step_fn(x, y).loss / len(batches)
             loss.backward()
             total += loss.detach()
+        # Gradients are already averaged over the ranks here (DDP, FSDP), so the norm is the
+        # global batch's; under FSDP it is computed over the sharded gradients (DTensors).
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return total
+        return total if self.dist is None else self.dist.mean(total)  # the global batch's loss
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
@@ -158,15 +181,17 @@ class Run:
 
         tc = self.cfg.train
         score = score_validation(self.model, self.data, tc.eval_batches, tc.batch_size, tc.seq_len,
-                                 device=self.device, autocast=lambda: self.autocast)
-        if score.clipped and self.last_eval is None:
+                                 device=self.device, autocast=lambda: self.autocast, ranks=self.dist)
+        if score.clipped and self.last_eval is None and self.is_main:
             _to_stderr(clipped_note(score, self.data.path) + "; lower train.eval_batches to silence this")
         self.last_eval = score
         return score.loss, score.bpb
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        otensors, ometa = _optim_tensors(self.opt)
+        if self.dist is not None:
+            return self._save_sharded(step)
+        otensors, ometa = optimizer_tensors(self.opt)
         otensors["rng.cpu"] = torch.get_rng_state()
         if self.device.type == "cuda":
             otensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
@@ -177,11 +202,31 @@ class Run:
         ckpt_io.write_checkpoint(root / name, {"model": ckpt_io.model_tensors(self.model), "optim": otensors}, state,
                                  {"tokenizer.json": self.data.tokenizer_path})
         ckpt_io.atomic_write_text(root / "latest", name + "\n")
+        self._prune(root, name)
+
+    def _prune(self, root: Path, name: str) -> None:
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in kept[: -self.cfg.train.keep_ckpts]:
             if old.name != name:
                 import shutil
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _save_sharded(self, step: int) -> None:
+        """Every rank writes its shards (collective); rank 0 the shared files and ``latest``.
+        The run's last checkpoint also holds the gathered weights (``model.safetensors``), so
+        eval, generate and serve read it as they read a one-process checkpoint."""
+        d = self.dist
+        root, name = self.out / "ckpt", f"step_{step:07d}"
+        tmp_name = d.broadcast_text(dcp_io.pick_temporary(root / name) if d.is_main else "")
+        state = {"config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "step": step,
+                 "data": {"path": self.cfg.data.path, "seed": self.cfg.data.seed}}
+        dcp_io.save(root / name, self.model, self.opt, state, {"tokenizer.json": self.data.tokenizer_path},
+                    rank=d.rank, world_size=d.world_size, tmp_name=tmp_name, barrier=d.barrier,
+                    full_model=step == self.cfg.train.steps)
+        if d.is_main:
+            ckpt_io.atomic_write_text(root / "latest", name + "\n")
+            self._prune(root, name)
+        d.barrier()  # ``latest`` names the new checkpoint before anyone goes on
 
     def try_resume(self) -> bool:
         try:
@@ -195,10 +240,17 @@ class Run:
             raise CheckpointError(f"{self.out} holds a run with a different config "
                                   f"(hash {state.get('config_hash')} vs {self.cfg.hash()}); "
                                   "use another --out or --resume never")
-        ckpt_io.load_weights(self.model, ckpt_io.load_tensors(ck, "model"), ck)
-        otensors = ckpt_io.load_tensors(ck, "optim")
-        _load_optim(self.opt, {k: v.to(self.device) if k.startswith("state.") and v.dim() > 0 else v
-                               for k, v in otensors.items()}, state["optimizer"])
+        if dcp_io.is_sharded(state):  # any number of processes, this one included
+            otensors = dcp_io.load(ck, state, self.model, self.opt, rank=self.dist.rank if self.dist else 0)
+        elif self.dist is not None:  # a one-process checkpoint resumed by several processes
+            otensors = ckpt_io.load_tensors(ck, "optim")
+            dcp_io.load_full_state(self.model, self.opt, ckpt_io.load_tensors(ck, "model"), otensors,
+                                   state["optimizer"]["param_groups"])
+        else:
+            ckpt_io.load_weights(self.model, ckpt_io.load_tensors(ck, "model"), ck)
+            otensors = ckpt_io.load_tensors(ck, "optim")
+            _load_optim(self.opt, {k: v.to(self.device) if k.startswith("state.") and v.dim() > 0 else v
+                                   for k, v in otensors.items()}, state["optimizer"])
         torch.set_rng_state(otensors["rng.cpu"])
         if self.device.type == "cuda" and "rng.cuda" in otensors:
             torch.cuda.set_rng_state(otensors["rng.cuda"], self.device)
@@ -301,27 +353,64 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
     ``progress``: a rich ``Progress`` to add this run's task to (the lab shows many runs in one);
     ``stop_after_steps``: leave after that many steps of this call (as if interrupted);
     ``notify``: where one-line notices go (resuming, a torn log record dropped); stderr by default.
+
+    Under torchrun (``WORLD_SIZE`` > 1) every process calls this: they form one run over the
+    global batch (``archlab.train.distributed``); rank 0 alone logs, shows progress and writes
+    the metrics, and a failure on any rank ends every rank with one line.
     """
     out = Path(out_dir)
-    tc = cfg.train
-    run = Run(cfg, out)  # validates data and device before anything is written
+    env = distributed.setup(cfg.train)  # checks the config against the world size first
+    try:
+        run = Run(cfg, out, env)  # validates data and device before anything is written
+        return _train(run, resume=resume, progress=progress, stop_after_steps=stop_after_steps,
+                      show_progress=show_progress, notify=notify)
+    except BaseException as e:
+        if env is None:
+            raise
+        raised = distributed.rank_error(env, e)
+        env = None  # a group whose peer is gone may hang on destroy: the process exit ends it
+        if raised is e:
+            raise
+        raise raised from None
+    finally:
+        distributed.teardown(env)
+
+
+class _NoLog:
+    """The metrics log of a rank other than 0 (rank 0 writes the run's one log)."""
+
+    def write(self, rec: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, show_progress: bool,
+           notify: Callable[[str], None]) -> TrainResult:
+    cfg, out, tc = run.cfg, run.out, run.cfg.train
+    if not run.is_main:
+        notify = lambda message: None  # noqa: E731 (rank 0 says it once)
     resumed = run.try_resume() if resume else False
     if not resumed and (out / "ckpt" / "latest").exists():
         raise CheckpointError(f"{out} already holds a checkpoint; resume it or choose another --out")
     # Temporaries of killed runs in this directory: on a full disk they would fail every retry.
-    for folder in (out, out / "ckpt"):
-        ckpt_io.remove_stale_temporaries(folder)
+    if run.is_main:
+        for folder in (out, out / "ckpt"):
+            ckpt_io.remove_stale_temporaries(folder)
     if resumed:
         notify(f"resuming from step {run.step} of {out}")
     out.mkdir(parents=True, exist_ok=True)
-    if not resumed:
+    if not resumed and run.is_main:
         ckpt_io.atomic_write_text(out / "config.yaml", dump_yaml(cfg))
-    log = MetricsLog(out, run.step, notify)
+    log = MetricsLog(out, run.step, notify) if run.is_main else _NoLog()
+    world = run.dist.world_size if run.dist is not None else 1
     peak = peak_flops(run.device)
+    peak = peak * world if peak else peak  # MFU of the whole run: all its devices
     flops_tok = mfu_flops_per_token(cfg.model, tc.seq_len)
     params = param_counts(cfg.model)["params_total"]
     bar = TrainProgress(progress, total_steps=tc.steps, start_step=run.step, tokens_per_step=tc.tokens_per_step,
-                        label=out.name, enabled=show_progress)
+                        label=out.name, enabled=show_progress and run.is_main)
     t_start, steps_done = time.perf_counter(), 0
     pending: tuple[int, torch.Tensor | float, float] | None = None  # (step, loss, tokens/s) not yet read
 
@@ -369,6 +458,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
         bar.close()
         log.close()
         run.graphed = None  # free a CUDA graph's memory pool now, not at some later garbage collection
+    if run.dist is not None:
+        run.dist.barrier()  # rank 0's metrics are complete before every rank reads them
     wall = time.perf_counter() - t_start
     train_curve, val_curve = read_curves(out)
     tokens_per_s = steps_done * tc.tokens_per_step / wall if wall > 0 and steps_done else 0.0

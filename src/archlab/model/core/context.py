@@ -64,7 +64,7 @@ class Context:
     cache_rows: Tensor | None = None
     mask: Tensor | None = None
     rows: Pass | None = None  # None: the plain pass
-    aux_losses: list[Tensor] = field(default_factory=list)  # training-only losses (MoE balance)
+    aux: "AuxLosses" = field(default_factory=lambda: AuxLosses())  # training-only losses (MoE balance)
 
     def __post_init__(self) -> None:
         # Not a field default: torch.compile cannot trace an object it meets only as a default
@@ -72,5 +72,22 @@ class Context:
         if self.rows is None:
             self.rows = PLAIN
 
+    @property
+    def aux_losses(self) -> list[Tensor]:
+        return self.aux.items
+
     def add_aux_loss(self, loss: Tensor) -> None:
-        self.aux_losses.append(loss)
+        self.aux.items.append(loss)
+
+
+class AuxLosses:
+    """The losses a run's sublayers add, held by a plain object rather than a list field: FSDP2
+    rebuilds a sublayer's dataclass and list arguments that hold tensors requiring grad (to hook
+    its backward), so with a list field every sublayer after the first MoE layer would append to
+    a copy and its loss would be lost. A rebuilt Context shares this object, as
+    ``dataclasses.replace`` contexts do."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[Tensor] = []

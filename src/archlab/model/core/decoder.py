@@ -42,6 +42,15 @@ class Block(nn.Module):
     """One layer: attention and FFN sublayers with their norm sites. A rows kind may add its own
     per-layer parameters (``attach_block``): they come after the block's own."""
 
+    #: the methods the decoder calls instead of ``forward`` (one per sublayer): wrappers that act
+    #: around a module's forward (FSDP's gather of sharded weights, activation checkpointing,
+    #: per-block compilation; archlab.train.distributed) wrap these
+    ENTRY_POINTS = ("attention", "feed_forward")
+    #: the sublayer modules that hold nearly all of a block's weights, each called once per
+    #: entry point: FSDP shards each as one unit (gathered once per call); the block's small
+    #: parameters (norm gains, coupling vectors) stay with the model's root unit
+    SHARD_UNITS = ("attn", "mlp")
+
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, norms: nn.Module, ffn: type):
         super().__init__()
         self.layer = spec.layer

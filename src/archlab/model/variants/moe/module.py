@@ -56,6 +56,7 @@ from archlab.model.core.context import Context
 from archlab.model.core.cost import Cost
 from archlab.model.core.ffn import SwiGLU
 from archlab.model.core.init import NormalInit
+from archlab.model.core.parallel import batch_sum
 from archlab.typed import round_up
 
 if TYPE_CHECKING:
@@ -94,8 +95,11 @@ def load_balance_loss(logits: Tensor, idx: Tensor, coef: float) -> Tensor:
     """
     n_experts = logits.shape[-1]
     probs = torch.softmax(_wide(logits).reshape(-1, n_experts), dim=-1)
-    counts = expert_counts(idx.reshape(-1), n_experts).to(probs.dtype)
-    f = counts / idx.numel()
+    # Under data parallelism the shares are those of the whole global batch (summed over the
+    # ranks), so N processes compute the loss one process would; counts.sum() is idx.numel()
+    # (exactly, in float) on one process.
+    counts = batch_sum(expert_counts(idx.reshape(-1), n_experts).to(probs.dtype))
+    f = counts / counts.sum()
     p = probs.mean(dim=0)
     return coef * n_experts * (f * p).sum()
 
