@@ -131,7 +131,7 @@ def test_fsdp_checkpoint_loads_on_one_process_and_consolidates(stdlib_data, tmp_
     assert code == 0, err
     code, b, err = run_cli(capsys, "eval", "--ckpt", str(out), "--batches", "2", "--json")
     assert code == 0, err
-    assert json.loads(a)["val_loss"] == json.loads(b)["val_loss"]
+    assert json.loads(a)["loss"] == json.loads(b)["loss"]
     # a sharded checkpoint from before the end has no gathered weights: eval says what to do
     code, _, err = run_cli(capsys, "eval", "--ckpt", str(out / "ckpt" / "step_0000004"))
     assert code == 1 and "archlab checkpoint consolidate" in err and err.count("\n") == 1
