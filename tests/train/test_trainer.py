@@ -154,7 +154,7 @@ def test_checkpoint_holds_a_device_tensor_learning_rate_as_a_number():
     opt = torch.optim.AdamW([p], lr=torch.tensor(0.25))
     p.grad = torch.ones(3)
     opt.step()
-    tensors, meta = trainer_mod._optim_tensors(opt)
+    tensors, meta = trainer_mod.optimizer_tensors(opt)
     assert json.loads(json.dumps(meta))["param_groups"][0]["lr"] == 0.25
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1.0)
     trainer_mod._load_optim(fresh, tensors, meta)
