@@ -88,24 +88,26 @@ def test_prefill_buckets_are_powers_of_two():
     assert bucket(300, 256) == 256
 
 
-def test_a_group_of_any_size_prefills_as_power_of_two_groups_with_the_same_results():
-    """Seven prompts admitted together run as groups of 4, 2 and 1 (shortest first): only
-    power-of-two shapes are ever built (each compiled once on a GPU), and every row's first token
-    and log-probabilities equal those of prefilling that prompt alone, in the caller's order."""
+def test_a_group_of_any_size_prefills_as_power_of_eight_groups_with_the_same_results():
+    """Nine prompts admitted together run as a group of 8 and one of 1 (shortest first): only
+    power-of-eight shapes are ever built (each compiled once on a GPU), and every row's first
+    token and log-probabilities equal those of prefilling that prompt alone, in the caller's
+    order."""
     torch.manual_seed(4)
     model = build_model(tiny_model_cfg()).eval()
-    prompts = [torch.randint(1, 97, (n,)).tolist() for n in (9, 2, 30, 5, 17, 1, 12)]
-    params = [SamplingParams(max_new_tokens=2, temperature=0.9, seed=i) for i in range(7)]
-    engine = Engine(model, slots=8)
-    tok, logprobs = engine.prefill([6, 0, 3, 1, 5, 2, 4], prompts, params)
-    assert {n for n, _ in engine._prefills} == {4, 2, 1}
+    prompts = [torch.randint(1, 97, (n,)).tolist() for n in (9, 2, 30, 5, 17, 1, 12, 3, 7)]
+    params = [SamplingParams(max_new_tokens=2, temperature=0.9, seed=i) for i in range(9)]
+    engine = Engine(model, slots=10)
+    tok, logprobs = engine.prefill([6, 0, 3, 1, 5, 2, 4, 8, 9], prompts, params)
+    assert {n for n, _ in engine._prefills} == {8, 1}
+    assert engine.group_sizes() == (1, 8)
     for i, p in enumerate(prompts):
         alone = Engine(model, slots=1)
         t1, lp1 = alone.prefill([0], [p], [params[i]])
         assert int(tok[i]) == int(t1[0])
         torch.testing.assert_close(logprobs[i], lp1[0], atol=1e-5, rtol=1e-5)
     # each slot continues from its own prompt
-    assert engine.positions.tolist() == [2, 5, 1, 30, 12, 17, 9, 0]
+    assert engine.positions.tolist() == [2, 5, 1, 30, 12, 17, 9, 0, 3, 7]
 
 
 def test_top_k_and_top_p_restrict_support():

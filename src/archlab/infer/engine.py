@@ -114,7 +114,7 @@ class Engine:
             if len(p) + sp.max_new_tokens - 1 > self.max_len:
                 raise ValueError(f"prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceed the "
                                  f"context of {self.max_len} tokens")
-        if n & (n - 1):
+        if _group_sizes(n) != [n]:
             return self._prefill_in_groups(rows, prompts, params)
         t = bucket(max(len(p) for p in prompts), self.max_len)
         idx = torch.zeros(n, t, dtype=torch.long)
@@ -129,15 +129,16 @@ class Engine:
 
     def _prefill_in_groups(self, rows: list[int], prompts: list[list[int]],
                            params: list[SamplingParams]) -> tuple[Tensor, Tensor]:
-        """A batch whose size is not a power of two, as groups of power-of-two sizes (13 = 8 + 4
-        + 1), shortest prompts first. Every prefill shape is compiled and captured once, so a
-        server whose requests arrive in groups of any size compiles at most log2(slots) + 1
-        shapes per length bucket instead of one per group size (measured on an H200: 64
-        streaming clients arriving at random were served one after another, each new group size
-        stalling on a compilation). Sorting by length keeps short prompts out of long buckets."""
+        """A batch whose size is not a power of eight, as groups of powers of eight (13 = 8 + 5 x
+        1), shortest prompts first. Every prefill shape is compiled and captured once (about 10 s
+        each at 124m on an H200), so a server whose requests arrive in groups of any size compiles
+        at most log8(slots) + 1 shapes per length bucket instead of one per group size (measured:
+        64 streaming clients arriving at random were served one after another, each new group
+        size stalling on a compilation). Sorting by length keeps short prompts out of long
+        buckets."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         toks, logprobs, start = [], [], 0
-        for size in _powers_of_two(len(prompts)):
+        for size in _group_sizes(len(prompts)):
             part = order[start:start + size]
             start += size
             tok, lp = self.prefill([rows[i] for i in part], [prompts[i] for i in part], [params[i] for i in part])
@@ -215,7 +216,7 @@ class Engine:
     def warm_up(self, buckets: tuple[int, ...] = (), batch_sizes: tuple[int, ...] = (1,)) -> None:
         """Compile and capture ahead of the first request (a server does this at start): both
         decode graphs and the prefill of each bucket in ``buckets`` for each group size in
-        ``batch_sizes`` (powers of two: other sizes run as groups of those)."""
+        ``batch_sizes`` (powers of eight: other sizes run as groups of those)."""
         if self.cuda:
             for greedy in (True, False):
                 if greedy not in self._graphs:
@@ -226,8 +227,8 @@ class Engine:
                 self.prefill(list(range(n)), [[0] * t] * n, [SamplingParams(max_new_tokens=1)] * n)
 
     def group_sizes(self) -> tuple[int, ...]:
-        """The prefill group sizes a full set of slots can need: 1, 2, 4, ... up to ``slots``."""
-        return tuple(1 << i for i in range(self.slots.bit_length()) if 1 << i <= self.slots)
+        """The prefill group sizes a full set of slots can need: 1, 8, 64, ... up to ``slots``."""
+        return tuple(sorted(set(_group_sizes(self.slots)) | {1}))
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -239,9 +240,17 @@ class Engine:
         return requests
 
 
-def _powers_of_two(n: int) -> list[int]:
-    """``n`` as distinct powers of two, largest first: 13 -> [8, 4, 1]."""
-    return [1 << i for i in reversed(range(n.bit_length())) if n >> i & 1]
+def _group_sizes(n: int) -> list[int]:
+    """``n`` as a sum of powers of eight, largest first: 13 -> [8, 1, 1, 1, 1, 1], 64 -> [64]."""
+    sizes, size = [], 1
+    while size * 8 <= n:
+        size *= 8
+    while n:
+        while size > n:
+            size //= 8
+        sizes.append(size)
+        n -= size
+    return sizes
 
 
 class _Prefill:
