@@ -169,7 +169,7 @@ def test_runs_train_in_worker_processes_pinned_to_their_gpus(tmp_path: Path) -> 
     assert {cvd for _, _, cvd, *_ in lines} <= {"0", "1"}
     for gpu in ("0", "1"):
         assert most_at_once([(t0, t1) for _, _, cvd, t0, t1 in lines if cvd == gpu]) <= 1
-    assert not (out / ".workers").exists() or not any((out / ".workers").iterdir())
+    assert not (out / ".workers").exists()  # job files live in a private temporary directory
 
     # Resumable as ever: everything done, nothing trained again.
     with ResultStore(out / DB_NAME) as store:

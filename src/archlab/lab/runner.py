@@ -51,9 +51,11 @@ import fcntl
 import multiprocessing
 import os
 import pickle
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -537,12 +539,14 @@ class _GpuLauncher:
     ends. A process per run, not a pool: CUDA reads that variable once, when it starts in a
     process, so a process that has trained on one GPU cannot train the next run on another."""
 
-    WORK_DIR = ".workers"  # in the suite directory: each running worker's job and result files
 
     def __init__(self, gpus: GpuPlan, store: ResultStore, out_dir: Path, train_fn: TrainFn | None) -> None:
         self.gpus, self.store, self.db_path, self.train_fn = gpus, store, store.path, train_fn
         self.slots = GpuSlots(gpus)
-        self.work = out_dir / self.WORK_DIR
+        # The job and result files are pickles (a job holds the run's config and, in tests, a
+        # function): they live in a private directory of this process (mode 0700), never in the
+        # suite directory, which other users or machines may write to.
+        self.work = Path(tempfile.mkdtemp(prefix="archlab-workers-"))
         self.held: dict[cf.Future[RunEnd], tuple[tuple[int, ...], subprocess.Popen[bytes] | None, Path | None]] = {}
 
     def _elsewhere(self, job: _Job) -> RunEnd | None:
@@ -628,6 +632,7 @@ class _GpuLauncher:
         for _gpus, proc, _files in list(self.held.values()):  # like a pool's shutdown(wait=True)
             if proc is not None:
                 proc.wait()
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 Launcher = _PoolLauncher | _GpuLauncher
