@@ -177,3 +177,18 @@ def test_merging_another_suite_or_config_is_refused(tmp_path: Path, capsys: pyte
     with pytest.raises(ArchlabError, match="is not in .* plan: trained under another config"):
         run_merge(argparse.Namespace(dir=a, others=[d]), console=quiet())
     assert tree_hash(c) == before and rows(a) == ours
+
+
+def test_a_shard_with_max_runs_starts_only_its_own_runs(tmp_path: Path) -> None:
+    suite_file = write_suite(tmp_path)
+    out = tmp_path / "o"
+    plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)
+    mine = shard_ids(plan, 1, 3)
+    first = FakeTrainer()
+    assert run_compare(args(suite_file, out, shard="1/3", max_runs=1), train_fn=first, costs_fn=fake_costs,
+                       console=quiet()) == 0
+    rest = FakeTrainer()
+    assert run_compare(args(suite_file, out, shard="1/3"), train_fn=rest, costs_fn=fake_costs,
+                       console=quiet()) == 0
+    assert len(first.calls) == 1 and {n for n, _ in first.calls + rest.calls} == mine
+    assert rows(out) == {run_id: "finished" for run_id in mine}
