@@ -1,4 +1,4 @@
-"""``archlab compare`` and ``archlab report``.
+"""``archlab compare``, ``archlab merge`` and ``archlab report``.
 
 ``compare`` checks the whole suite (every run's config, the budget) before it trains anything,
 then trains what is missing and writes the report. A bad suite file or variant key is a
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Add ``compare`` and ``report`` to the main parser."""
+    """Add ``compare``, ``merge`` and ``report`` to the main parser."""
     c = subparsers.add_parser(
         "compare", help="train a suite of variants under a matched budget and test them",
         description="Run a comparison suite: the baseline with several seeds and every variant "
@@ -69,10 +69,24 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     c.add_argument("--time-budget", type=positive_int, metavar="SECONDS",
                    help="start a run only if it is expected to finish within SECONDS of this call's "
                         "start (training time at the measured or estimated tokens/s; exit 0)")
+    c.add_argument("--shard", metavar="I/N",
+                   help="train only share I (0 to N-1) of the suite's runs, e.g. one of N machines, "
+                        "each with its own --out; bring the directories together with archlab merge")
     c.add_argument("--amend-seeds", action="store_true",
                    help="run a suite whose seeds changed after results anyway; its report then draws "
                         "no verdicts (seeds are fixed before the runs)")
     c.set_defaults(func=run_compare)
+
+    m = subparsers.add_parser(
+        "merge", help="bring the finished runs of other directories of a suite into one",
+        description="Import every run finished (or diverged) in OTHER and not in DIR: its results "
+                    "database rows and its run directory. For a suite split across machines "
+                    "(compare --shard I/N, one directory each) or run on a remote machine. OTHER "
+                    "is never modified; another suite or config is refused. Exit 1 when a run "
+                    "finished in both with different results (this directory's is kept).")
+    m.add_argument("dir", type=Path, help="suite directory to merge into (holds results.sqlite)")
+    m.add_argument("others", type=Path, nargs="+", metavar="OTHER", help="suite directories to merge from")
+    m.set_defaults(func=run_merge)
 
     r = subparsers.add_parser("report", help="write report.md and report.html for a suite directory",
                               description="Build the report of a suite from its results database.")
@@ -142,7 +156,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from rich.console import Console
 
     from archlab.lab.fmt import plural
-    from archlab.lab.plan import build_plan, select
+    from archlab.lab.plan import build_plan, parse_shard, select, shard_ids
     from archlab.lab.report import print_report, write_report
     from archlab.lab.display import plan_table
     from archlab.lab.runner import run_suite, suite_lock
@@ -155,12 +169,21 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     console = console or Console()
     session = Session(max_runs=getattr(args, "max_runs", None), seconds=getattr(args, "time_budget", None),
                       amend_seeds=getattr(args, "amend_seeds", False))
+    shard = getattr(args, "shard", None)
+    share = None if shard is None else parse_shard(shard)  # a bad --shard stops before the plan is built
     lease_s()  # a bad ARCHLAB_CLAIM_* setting stops here, not at the first claim after training
     suite = load_suite(args.suite)
     out = Path(args.out) if args.out else Path("runs") / suite.name
     plan = build_plan(suite, out, args.overrides, costs_fn=costs_fn)
     chosen = None if not args.variants else [v.strip() for v in args.variants.split(",") if v.strip()]
     runs = select(plan, chosen)
+    others = 0  # runs of the selection that belong to other shards: pending here, not errors
+    if share is not None:
+        mine = shard_ids(plan, *share)
+        others = sum(r.run_id not in mine for r in runs)
+        runs = [r for r in runs if r.run_id in mine]
+        console.print(f"shard {shard}: {plural(len(runs), 'run')} of this suite's selection here, "
+                      f"{others} in other shards", highlight=False)
     gpus = gpu_plan(args, runs, gpu_count)
     if gpus is not None:
         console.print(f"placing runs on GPU {','.join(map(str, gpus.gpus))}: {gpus.runs_per_gpu} per GPU, "
@@ -202,10 +225,27 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
                   + (f", latency of {plural(outcome.measured, 'variant')} measured" if outcome.measured else "")
                   + (f", {busy} left to the other {'process' if busy == 1 else 'processes'} "
                      f"training {'it' if busy == 1 else 'them'}" if busy else "")
+                  + (f", {plural(others, 'run')} left to the other shards" if shard is not None else "")
                   + f"; report: {md} and {html}", highlight=False)
     if session.summary():
         console.print(session.summary(), highlight=False)
     return 0
+
+
+def run_merge(args: argparse.Namespace, *, console: Console | None = None) -> int:
+    """The ``merge`` command (``archlab.lab.merge``); then the report of the merged directory."""
+    from rich.console import Console
+
+    from archlab.lab.merge import describe, merge_dirs
+    from archlab.lab.report import write_report
+
+    console = console or Console()
+    outcome = merge_dirs(Path(args.dir), [Path(o) for o in args.others])
+    for note in outcome.notes:
+        console.print(note, highlight=False)
+    md, html = write_report(Path(args.dir))
+    console.print(f"{describe(outcome)}; report: {md} and {html}", highlight=False)
+    return 1 if outcome.conflicts else 0
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -244,3 +244,30 @@ def select(plan: Plan, variants: list[str] | None) -> list[PlannedRun]:
                           f"this suite has: {', '.join(plan.suite.variants) or '(none)'}")
     chosen = set(variants) | {plan.suite.baseline}
     return [r for r in plan.runs if r.label in chosen]
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``--shard I/N`` as ``(I, N)``, with 0 <= I < N."""
+    index_s, sep, count_s = spec.partition("/")
+    if not (sep and index_s.strip().isdigit() and count_s.strip().isdigit()):
+        raise ConfigError(f"--shard {spec!r}: expected I/N, e.g. 0/2 (share I of N, counted from 0)")
+    index, count = int(index_s), int(count_s)
+    if not 0 <= index < count:
+        raise ConfigError(f"--shard {spec}: needs 0 <= I < N (the shards of N are 0/N to N-1/N)")
+    return index, count
+
+
+def shard_ids(plan: Plan, index: int, count: int) -> set[str]:
+    """The run ids of shard ``index`` of ``count``: a partition of the whole plan (every run in
+    exactly one shard), a function of the plan alone, so machines that build the same plan agree
+    on it without talking to each other.
+
+    The runs are dealt round-robin in label-major order (the baseline's runs in seed order, then
+    each variant's), not in the plan's interleaved order: dealt interleaved, a shard count equal
+    to the number of labels would give each machine one label, so no shard alone could compare
+    anything and the machines' loads would differ by the labels' costs. Label-major, every label's
+    runs are spread over the shards (each gets its count / N, rounded either way) and the shard
+    sizes differ by at most one. The whole plan is dealt, not ``--variants``' selection, so a
+    run's shard never depends on what a machine chose to train."""
+    by_label = sorted(plan.runs, key=lambda r: plan.labels.index(r.label))  # stable: seed order kept
+    return {r.run_id for i, r in enumerate(by_label) if i % count == index}

@@ -26,6 +26,9 @@ process that opens it to share memory with the others, so the directory must be 
 those processes see as local, e.g. one host's disk mounted into several containers or VMs on that
 host. A network filesystem (NFS, SMB) does not qualify: SQLite documents WAL as unsupported there
 and the database can be corrupted.
+Machines without such a filesystem split a suite with ``compare --shard I/N`` instead (each
+trains its share of ``archlab.lab.plan.shard_ids`` into a directory of its own), and one of them
+brings the directories together with ``archlab merge`` (``archlab.lab.merge``).
 
 With ``gpus`` (``compare --gpus``) every run trains in a fresh worker process pinned to the
 GPU(s) it was given by ``CUDA_VISIBLE_DEVICES`` (``_GpuLauncher``, ``archlab.lab.worker``), as
