@@ -1,12 +1,16 @@
 """Load on ``archlab serve``: N concurrent streaming clients against one client, on one GPU.
 
     python benchmarks/serve_load.py --tokenizer DATA_DIR/tokenizer.json --preset 124m --clients 64
+    python benchmarks/serve_load.py --device cpu --preset tiny --clients 32   # CPU, a byte tokenizer
 
 Serves a randomly initialised preset model (bf16) with the prepared corpus's tokenizer through the
 real server (``archlab.infer.server``: FastAPI + uvicorn, the engine thread, continuous batching),
 then streams completions over HTTP (httpx, server-sent events) from 1 and from N concurrent
 clients. Reports completed streams (none may be lost), tokens received, aggregate tokens/s, and
-per-stream time to first token. Prints one JSON object per load level.
+per-stream time to first token, and how the engine batched them: decode steps, the mean and the
+most active slots per step (1 means the streams ran one after another), prefill calls and the
+requests they admitted. ``--step-delay`` adds seconds to every decode step (a GIL-free sleep,
+like waiting for a GPU). Prints one JSON object per load level.
 """
 
 from __future__ import annotations
@@ -53,6 +57,26 @@ async def one_stream(client, url: str, prompt: str, max_tokens: int, seed: int) 
     return {"ttft_s": first, "tokens": tokens, "finish": finish, "wall_s": time.perf_counter() - t0}
 
 
+class ByteTokenizer:
+    """A stand-in for a trained tokenizer (``--preset tiny`` without ``--tokenizer``): bytes."""
+
+    class _Ids:
+        def __init__(self, ids: list[int]):
+            self.ids = ids
+
+    def encode(self, text: str) -> "ByteTokenizer._Ids":
+        return self._Ids(list(text.encode()))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def get_vocab_size(self) -> int:
+        return 256
+
+    def token_to_id(self, token: str) -> int | None:
+        return None
+
+
 async def load(url: str, clients: int, max_tokens: int) -> dict:
     import httpx
 
@@ -71,22 +95,41 @@ async def load(url: str, clients: int, max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--preset", default="124m")
+    ap.add_argument("--tokenizer", help="a tokenizer.json (default with --preset tiny: bytes)")
+    ap.add_argument("--preset", default="124m", help="a config preset, or tiny (the tests' tiny model)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per decode step")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json")
     args = ap.parse_args()
     import uvicorn
 
-    tok = load_tokenizer(args.tokenizer)
-    cfg = make_config(args.preset, overrides=[f"model.vocab_size={tok.get_vocab_size()}"]).model
+    if args.tokenizer is None and args.preset != "tiny":
+        ap.error("--tokenizer is required with a preset other than tiny")
+    tok = load_tokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
     torch.manual_seed(0)
-    model = build_model(cfg).to("cuda", torch.bfloat16).eval()
+    if args.preset == "tiny":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.helpers import tiny_model_cfg
+
+        cfg = tiny_model_cfg(vocab_size=tok.get_vocab_size(), max_seq_len=max(64, 2 * args.max_tokens))
+    else:
+        cfg = make_config(args.preset, overrides=[f"model.vocab_size={tok.get_vocab_size()}"]).model
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(cfg).to(args.device, dtype).eval()
     engine = Engine(model, slots=args.clients)
     t = time.perf_counter()
     engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
     print(json.dumps({"warm_up_s": time.perf_counter() - t}), flush=True)
+    if args.step_delay:
+        step = engine.step
+
+        def slow_step(greedy: bool = False):
+            time.sleep(args.step_delay)
+            return step(greedy)
+
+        engine.step = slow_step  # type: ignore[method-assign]
     loop = EngineLoop(engine).start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,12 +142,18 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}/v1/completions"
     rows = []
     for clients in (1, args.clients):
+        loop.scheduler.reset_stats()
         r = asyncio.run(load(url, clients, args.max_tokens))
+        sc = loop.scheduler
+        r.update(decode_steps=sc.decode_steps, mean_active_slots=round(sc.mean_active, 2),
+                 max_active_slots=sc.max_active, prefills=sc.prefills, admitted=sc.admitted,
+                 max_admit_wait_s=round(sc.max_admit_wait, 4), max_prefill_s=round(sc.max_prefill_s, 4))
         rows.append(r)
         print(json.dumps(r), flush=True)
     print(f"aggregate: {rows[1]['tokens_per_s']:.0f} tokens/s with {args.clients} clients vs "
           f"{rows[0]['tokens_per_s']:.0f} with one ({rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.1f}x); "
-          f"lost {rows[1]['lost']}")
+          f"lost {rows[1]['lost']}; {rows[1]['mean_active_slots']:.1f} active slots per decode step on average "
+          f"(most {rows[1]['max_active_slots']} of {args.clients})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

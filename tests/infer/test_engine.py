@@ -110,6 +110,22 @@ def test_a_group_of_any_size_prefills_as_power_of_eight_groups_with_the_same_res
     assert engine.positions.tolist() == [2, 5, 1, 30, 12, 17, 9, 0, 3, 7]
 
 
+def test_warm_up_of_the_group_sizes_builds_every_shape_any_admission_needs():
+    """After ``warm_up(batch_sizes=group_sizes())`` no number of prompts admitted together, 1 up to
+    every slot, builds a new prefill shape (each new shape compiles on a GPU, for seconds, in the
+    middle of serving). With 64 slots the group sizes were (1, 64): a batch of 63 built a group
+    of 8 while 64 streams waited."""
+    model = build_model(tiny_model_cfg()).eval()
+    engine = Engine(model, slots=64)
+    assert engine.group_sizes() == (1, 8, 64)
+    assert Engine(model, slots=4).group_sizes() == (1,) and Engine(model, slots=512).group_sizes() == (1, 8, 64, 512)
+    engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
+    warmed = set(engine._prefills)
+    for n in (63, 13, 9, 64, 7, 1):
+        engine.prefill(list(range(n)), [[1, 2, 3]] * n, [SamplingParams(max_new_tokens=2)] * n)
+        assert set(engine._prefills) == warmed, n
+
+
 def test_top_k_and_top_p_restrict_support():
     logprobs = torch.log_softmax(torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]), -1).repeat(2000, 1)
     n = logprobs.shape[0]
