@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from archlab.data import prepare
+from archlab.data.recipes import fetch
 from tests.data.data_testutil import STDLIB_ARGS
+from tests.data.recipes_testutil import FIX, FIXTURE_ROOT
 
 # Modules whose docstrings are a few hundred bytes to a few KB of real English prose.
 DOC_MODULES = ("argparse", "calendar", "collections", "csv", "difflib", "doctest", "heapq", "inspect",
@@ -44,3 +46,18 @@ def real_docs() -> list[tuple[str, str]]:
 def data_copy(stdlib_dir: Path, tmp_path: Path) -> Path:
     """A private copy of the prepared stdlib directory, safe to damage."""
     return Path(shutil.copytree(stdlib_dir, tmp_path / "copy"))
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Recipes fetch the fixture folders instead of the registries; returns the packages asked for."""
+    asked: list[str] = []
+
+    def fake_fetch(pkg, cache_dir=None, any_version=False, progress=None):
+        asked.append(pkg.name)
+        return FIX / FIXTURE_ROOT[pkg.name], {
+            "registry": "fixture", "package": pkg.name, "version": pkg.version, "file": pkg.filename,
+            "sha256": pkg.sha256, "url": pkg.url}
+
+    monkeypatch.setattr(fetch, "fetch_package", fake_fetch)
+    return asked

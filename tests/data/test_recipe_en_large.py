@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from archlab.data.prepare import CHUNK_BYTES, prepare
-from archlab.data.recipes import RECIPES, Component, Recipe, fetch, open_recipe
+from archlab.data.recipes import RECIPES, Component, Recipe, open_recipe
 from archlab.data.recipes.cleaners import clean_dict_entry, clean_pod, read_dict_plain, read_html_pages
 from archlab.data.recipes.recipe_source import text_key
 from archlab.data.recipes.specs import EN_LARGE
-from tests.data.recipes_testutil import FIX, FIXTURE_ROOT, recipe_docs
+from tests.data.recipes_testutil import FIX, recipe_docs
 
 NEW = {"foldoc": "foldoc", "jargon": "jargon", "devil": "devil", "perl-doc": "perl-doc",
        "postgresql-doc": "postgresql-doc", "debian-handbook": "debian-handbook", "gnucash-docs": "gnucash-docs",
@@ -27,20 +27,6 @@ NEW = {"foldoc": "foldoc", "jargon": "jargon", "devil": "devil", "perl-doc": "pe
        "nodejs-doc": "nodejs-doc", "octave-doc": "octave-doc", "git-doc": "git-doc"}
 
 TAG = re.compile(r"</?(?:div|span|p|a|pre|code|li|ul|ol|table|td|tr|th|script|style|nav|h[1-6])\b[^<>]*>")
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    asked: list[str] = []
-
-    def fake_fetch(pkg, cache_dir=None, any_version=False, progress=None):
-        asked.append(pkg.name)
-        return FIX / FIXTURE_ROOT[pkg.name], {
-            "registry": "fixture", "package": pkg.name, "version": pkg.version, "file": pkg.filename,
-            "sha256": pkg.sha256, "url": pkg.url}
-
-    monkeypatch.setattr(fetch, "fetch_package", fake_fetch)
-    return asked
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,25 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from archlab.data.recipes import RECIPES, Component, Recipe, fetch, open_recipe, recipe_source
+from archlab.data.recipes import RECIPES, Component, Recipe, open_recipe, recipe_source
 from archlab.data.sources import open_source
 from archlab.errors import DataError
-from tests.data.recipes_testutil import EN_MIX, FIX, FIXTURE_ROOT, recipe_docs, run_cli
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Recipes fetch the fixture folders instead of the registries; returns the packages asked for."""
-    asked: list[str] = []
-
-    def fake_fetch(pkg, cache_dir=None, any_version=False, progress=None):
-        asked.append(pkg.name)
-        return FIX / FIXTURE_ROOT[pkg.name], {
-            "registry": "fixture", "package": pkg.name, "version": pkg.version, "file": pkg.filename,
-            "sha256": pkg.sha256, "url": pkg.url}
-
-    monkeypatch.setattr(fetch, "fetch_package", fake_fetch)
-    return asked
+from tests.data.recipes_testutil import EN_MIX, recipe_docs, run_cli
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -30,24 +32,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_run):
-    model, tok, eos, _ = load_for_inference(tiny_run, "cpu", "float32")
-    loop = EngineLoop(Engine(model, slots=SLOTS)).start()
+@contextmanager
+def running_server(engine: Engine, tok, eos: int | None) -> Iterator[tuple[EngineLoop, int]]:
+    """The real app on uvicorn in a thread, on a free port: (the engine loop, the port)."""
+    loop = EngineLoop(engine).start()
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "tiny", eos), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
-    yield client, model, tok, eos, loop, port
-    server.should_exit = True
-    thread.join(timeout=10)
-    loop.stop()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield loop, port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        loop.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_run):
+    model, tok, eos, _ = load_for_inference(tiny_run, "cpu", "float32")
+    with running_server(Engine(model, slots=SLOTS), tok, eos) as (loop, port):
+        client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
+        yield client, model, tok, eos, loop, port
 
 
 def expected(model, tok, eos, prompt: str, max_tokens: int, **sampling) -> str:
@@ -177,18 +188,8 @@ def test_concurrent_streams_share_the_decode_batch(tiny_run):
         return step(greedy)
 
     engine.step = slow_step
-    loop = EngineLoop(engine).start()
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "tiny", None), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
 
-    async def one(client: httpx.AsyncClient, i: int) -> int:
+    async def one(client: httpx.AsyncClient, port: int, i: int) -> int:
         body = {"model": "tiny", "prompt": f"def f{i}(", "max_tokens": 24, "temperature": 0.9, "seed": i,
                 "stream": True, "stream_options": {"include_usage": True}}
         n = 0
@@ -198,18 +199,14 @@ def test_concurrent_streams_share_the_decode_batch(tiny_run):
                     n = json.loads(line[6:])["usage"]["completion_tokens"]
         return n
 
-    async def all_of_them() -> list[int]:
+    async def all_of_them(port: int) -> list[int]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=70)) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
+            return await asyncio.gather(*(one(client, port, i) for i in range(64)))
 
-    try:
+    with running_server(engine, tok, None) as (loop, port):
         loop.scheduler.reset_stats()
-        assert asyncio.run(all_of_them()) == [24] * 64
+        assert asyncio.run(all_of_them(port)) == [24] * 64
         sched = loop.scheduler
         assert sched.admitted == 64 and sched.max_active >= 48, (sched.max_active, sched.prefills)
         assert sched.mean_active >= 16, (sched.mean_active, sched.decode_steps, sched.prefills)
         assert set(engine._prefills) == warmed, sorted(set(engine._prefills) - warmed)  # no shape built while serving
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        loop.stop()
