@@ -243,3 +243,23 @@ def test_untrusted_dcp_metadata_is_refused(stdlib_data, tmp_path):
     with pytest.raises(CheckpointError, match="untrusted .metadata"):
         dcp_io.SafeReader(str(tmp_path / "dcp")).read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+def test_dcp_metadata_cannot_reach_a_function_through_an_allowed_module(tmp_path):
+    """The allowed modules import ``os`` and other modules: a GLOBAL naming
+    ``<allowed module> os.system`` (protocol 4 resolves dotted names) or one of their functions
+    is refused, so the reader yields classes only."""
+    from archlab.io import dcp as dcp_io
+
+    allowed = "torch.distributed.checkpoint.filesystem"
+    marker = tmp_path / "pwned"
+    # GLOBAL module name, then the argument tuple, REDUCE, STOP: a hand-written protocol-4 call.
+    evil = (b"\x80\x04c" + allowed.encode() + b"\nos.system\n" + pickle.dumps(("touch " + str(marker),),
+            protocol=0)[:-1] + b"R.")
+    not_a_class = b"\x80\x04c" + allowed.encode() + b"\ncast\n."
+    for payload in (evil, not_a_class):
+        (tmp_path / "dcp").mkdir(exist_ok=True)
+        (tmp_path / "dcp" / ".metadata").write_bytes(payload)
+        with pytest.raises(CheckpointError, match="untrusted .metadata"):
+            dcp_io.SafeReader(str(tmp_path / "dcp")).read_metadata()
+    assert not marker.exists()

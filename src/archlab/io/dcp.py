@@ -61,7 +61,16 @@ _ALLOWED_TORCH = (torch.dtype, torch.layout, torch.memory_format)
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module == "collections" and name == "OrderedDict"):
+        if "." in name:  # protocol 4 resolves dotted names attribute by attribute: x.os.system
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+        if module in _ALLOWED_MODULES:
+            # Only the classes these modules define (metadata dataclasses and enums), never a
+            # function or a module they import.
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+        if module == "collections" and name == "OrderedDict":
             return super().find_class(module, name)
         if module == "torch" and name == "Size":
             return torch.Size
