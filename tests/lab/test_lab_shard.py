@@ -192,3 +192,14 @@ def test_a_shard_with_max_runs_starts_only_its_own_runs(tmp_path: Path) -> None:
                        console=quiet()) == 0
     assert len(first.calls) == 1 and {n for n, _ in first.calls + rest.calls} == mine
     assert rows(out) == {run_id: "finished" for run_id in mine}
+
+
+def test_merging_a_directory_without_results_is_one_line_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty, missing = tmp_path / "empty", tmp_path / "missing"
+    empty.mkdir()
+    for args in ([str(empty), str(missing)], [str(missing), str(empty)]):
+        assert main(["merge", *args]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a suite directory" in err[0]
+    assert list(empty.iterdir()) == [] and not missing.exists()  # no lock file left behind

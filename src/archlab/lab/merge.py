@@ -144,6 +144,10 @@ def _place_dir(src: Path, dst: Path) -> None:
 def merge_dirs(out_dir: Path, others: list[Path]) -> MergeOutcome:
     """Merge every directory of ``others`` into ``out_dir``, one after another (see the module)."""
     outcome = MergeOutcome()
+    for d in (out_dir, *others):  # before any lock file is created anywhere
+        if not (d / DB_NAME).is_file():
+            raise ArchlabError(f"{d} is not a suite directory: it has no {DB_NAME} (run `archlab compare` "
+                               "there first, or name the directory a compare wrote)")
     for other in others:
         if other.resolve() == out_dir.resolve():
             raise ArchlabError(f"{other} is the directory being merged into")
