@@ -1,0 +1,162 @@
+"""How ``archlab compare`` starts the runs it trains side by side (``archlab.lab.runner``):
+a pool of ``--jobs`` spawned workers, or a fresh process per run pinned to its GPUs
+(``--gpus``). A launcher starts a job when it has room and takes the slot back when it ends."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from archlab.errors import ArchlabError
+from archlab.lab.claims import die_with_parent
+from archlab.lab.display import is_done
+from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices
+from archlab.lab.store import ResultStore
+
+
+class PoolLauncher:
+    """``--jobs N``: a pool of N spawned worker processes, reused from run to run."""
+
+    def __init__(self, jobs: int, db_path: Path, train_fn: Any, worker: Callable[..., Any]) -> None:
+        self.jobs, self.db_path, self.train_fn, self.worker = jobs, db_path, train_fn, worker
+        self.running = 0
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        # Workers are spawned by pool.submit in this (the main) thread, and none is replaced while
+        # the pool runs (no max_tasks_per_child): PR_SET_PDEATHSIG fires when the spawning *thread*
+        # ends.
+        self.pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=die_with_parent,
+                                           initargs=(os.getpid(),))
+
+    def start(self, job: Any) -> "cf.Future[Any] | None":
+        if self.running >= self.jobs:
+            return None
+        self.running += 1
+        return self.pool.submit(self.worker, self.db_path, job, self.train_fn)
+
+    def has_room(self) -> bool:
+        return self.running < self.jobs
+
+    def ended(self, fut: "cf.Future[Any]") -> None:
+        self.running -= 1
+
+    def __enter__(self) -> "PoolLauncher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class GpuLauncher:
+    """``--gpus``: one fresh process per run (``python -m archlab.lab.worker``), started with
+    ``CUDA_VISIBLE_DEVICES`` naming the GPUs ``GpuSlots`` gave it, which get them back when it
+    ends. A process per run, not a pool: CUDA reads that variable once, when it starts in a
+    process, so a process that has trained on one GPU cannot train the next run on another."""
+
+
+    def __init__(self, gpus: GpuPlan, store: ResultStore, out_dir: Path, train_fn: Any) -> None:
+        self.gpus, self.store, self.db_path, self.train_fn = gpus, store, store.path, train_fn
+        self.slots = GpuSlots(gpus)
+        # The job and result files are pickles (a job holds the run's config and, in tests, a
+        # function): they live in a private directory of this process (mode 0700), never in the
+        # suite directory, which other users or machines may write to.
+        self.work = Path(tempfile.mkdtemp(prefix="archlab-workers-"))
+        self.held: dict[cf.Future[Any], tuple[tuple[int, ...], subprocess.Popen[bytes] | None, Path | None]] = {}
+
+    def _elsewhere(self, job: Any) -> Any:
+        """The run's end when another process has recorded it or holds it now. Only to spare a
+        worker's start (seconds of imports) and a GPU slot: the worker's claim is what decides."""
+        from archlab.lab.runner import RunEnd  # the runner imports this module
+
+        name = f"{job.run.label} seed {job.run.init_seed}"
+        if is_done(self.store.get(job.run.run_id)):
+            return RunEnd("done", f"{name}: recorded by another process meanwhile; skipping it")
+        claim = self.store.claims().get(job.run.run_id)
+        if claim is not None and claim.alive():
+            return RunEnd("busy", f"{name}: being trained by {claim.owner.describe()}; skipping it")
+        return None
+
+    def has_room(self) -> bool:
+        gpus = self.slots.take()
+        if gpus is None:
+            return False
+        self.slots.give(gpus)
+        return True
+
+    def start(self, job: Any) -> "cf.Future[Any] | None":
+        from archlab.lab.worker import WorkerJob
+
+        end = self._elsewhere(job)
+        if end is not None:
+            done: cf.Future[Any] = cf.Future()
+            done.set_result(end)
+            self.held[done] = ((), None, None)
+            return done
+        gpus = self.slots.take()
+        if gpus is None:
+            return None
+        # Unique per attempt: a worker of an earlier compare, killed, may have left its files.
+        files = self.work / f"{job.run.run_id}.{os.getpid()}"
+        files.mkdir(parents=True, exist_ok=True)
+        job_file, result_file = files / "job.pickle", files / "result.pickle"
+        result_file.unlink(missing_ok=True)
+        with open(job_file, "wb") as f:
+            pickle.dump(WorkerJob(self.db_path, job, self.train_fn, self.gpus.gpus_per_run), f)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=child_visible_devices(gpus),
+                   # what multiprocessing's spawn does for --jobs workers: the same imports as here
+                   PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+        # Started from this (the main) thread: the worker's PR_SET_PDEATHSIG is tied to it.
+        proc = subprocess.Popen([sys.executable, "-m", "archlab.lab.worker", str(job_file), str(result_file),
+                                 str(os.getpid())], env=env, stdin=subprocess.DEVNULL)
+        fut: cf.Future[Any] = cf.Future()
+        self.held[fut] = (gpus, proc, files)
+        threading.Thread(target=self._wait, args=(proc, result_file, job.run.run_id, fut),
+                         name=f"archlab-worker-{proc.pid}", daemon=True).start()
+        return fut
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen[bytes], result_file: Path, run_id: str, fut: cf.Future[Any]) -> None:
+        rc = proc.wait()
+        try:
+            with open(result_file, "rb") as f:
+                value = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            fut.set_exception(ArchlabError(f"the worker process training {run_id} exited with {rc} and "
+                                           "left no result (killed?); the run is resumable"))
+            return
+        if isinstance(value, BaseException):
+            fut.set_exception(value)
+        else:
+            fut.set_result(value)
+
+    def ended(self, fut: "cf.Future[Any]") -> None:
+        gpus, _proc, files = self.held.pop(fut)
+        self.slots.give(gpus)
+        if files is None:
+            return
+        for name in ("job.pickle", "result.pickle"):
+            (files / name).unlink(missing_ok=True)
+        try:
+            files.rmdir()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "GpuLauncher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _gpus, proc, _files in list(self.held.values()):  # like a pool's shutdown(wait=True)
+            if proc is not None:
+                proc.wait()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+Launcher = PoolLauncher | GpuLauncher
