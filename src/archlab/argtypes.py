@@ -82,7 +82,7 @@ def config_args(p: argparse.ArgumentParser, what: str = "") -> None:
     """``--preset``, ``--config`` and ``--set``: how every command that builds a config reads it
     (``archlab.config.make_config(args.preset, args.config, args.overrides)``)."""
     p.add_argument("--preset", default="tiny",
-                   help=f"named preset{what}: tiny, 20m, 124m, 350m, 1b (default tiny)")
+                   help=f"named preset{what}: tiny, 20m, 70m, 124m, 350m, 1b (default tiny)")
     p.add_argument("--config", action="append", default=[], metavar="FILE",
                    help="YAML config file(s) applied over the preset, in order")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",

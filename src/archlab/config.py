@@ -140,6 +140,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {"batch_size": 32, "seq_len": 512, "steps": 4000, "lr": 1.5e-3, "warmup_steps": 200,
                   "eval_every": 250, "ckpt_every": 1000, "compile": True},
     },
+    # 60-80M, the second size of the paired verdict suites (verdicts-70m): 12 x 576, head dim 64.
+    "70m": {
+        "model": {"vocab_size": 16384, "d_model": 576, "n_layers": 12, "n_heads": 9, "n_kv_heads": 9,
+                  "max_seq_len": 1024},
+        "train": {"batch_size": 32, "seq_len": 512, "steps": 6000, "lr": 1e-3, "warmup_steps": 200,
+                  "eval_every": 250, "ckpt_every": 1000, "compile": True},
+    },
     "124m": {
         "model": {"vocab_size": 50304, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12,
                   "max_seq_len": 1024},

@@ -72,6 +72,35 @@ def test_iso_flop_scales_tokens_by_training_flops(tmp_path: Path) -> None:
     assert base.steps == 40
 
 
+def test_a_variant_can_name_its_own_matching(tmp_path: Path) -> None:
+    """One suite holds the decode branch iso-token and iso-FLOP against the same baseline runs."""
+    text = SUITE_YAML.replace(
+        "  same: {model.rope_theta: 5000.0}",
+        "  branch: {model.branch.enabled: true}\n"
+        "  branch-isoflop: {model.branch.enabled: true, budget.match: iso-flop}")
+    suite = load_suite(write_suite(tmp_path, text))
+    assert suite.budget.match_for("branch-isoflop") == "iso-flop" and suite.budget.match_for("branch") == "iso-token"
+    assert "budget.match" not in suite.variants["branch-isoflop"]  # not a config key
+    assert suite.to_dict()["budget"]["variant_match"] == {"branch-isoflop": "iso-flop"}
+    plan = build_plan(suite, tmp_path / "o", costs_fn=fake_costs)
+    steps = {r.label: r.steps for r in plan.runs}
+    assert steps == {"llama": 40, "lower-init": 40, "branch": 40, "branch-isoflop": 20}
+    # A suite without per-variant matching stores its budget as before.
+    assert "variant_match" not in load_suite(write_suite(tmp_path)).to_dict()["budget"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("{model.branch.enabled: true, budget.match: iso-bytes}",
+     "variants.b.budget.match: must be one of iso-token, iso-flop, got 'iso-bytes'"),
+    ("{budget.tokens: 5}", "only budget.match can be set per variant"),
+])
+def test_bad_per_variant_matching_is_one_line(tmp_path: Path, overrides: str, message: str) -> None:
+    text = SUITE_YAML.replace("  same: {model.rope_theta: 5000.0}", f"  b: {overrides}")
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("'", "'")) as e:
+        load_suite(write_suite(tmp_path, text))
+    assert "\n" not in str(e.value)
+
+
 def test_managed_data_path_is_inside_the_suite_dir_and_portable(tmp_path: Path) -> None:
     text = SUITE_YAML.replace("  data: {path: /nonexistent-data}\n", "").replace(
         "budget:", "data: {source: stdlib, max_mb: 2}\nbudget:")

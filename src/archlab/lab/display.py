@@ -180,7 +180,9 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow],
     tell a run that is training now (``running``) from one whose process is gone
     (``interrupted``); None shows the stored status."""
     table = Table(title=f"suite {plan.suite.name}: {len(runs)} runs, budget "
-                        f"{si(plan.suite.budget.tokens)} tokens ({plan.suite.budget.match})",
+                        f"{si(plan.suite.budget.tokens)} tokens ({plan.suite.budget.match}"
+                        + "".join(f"; {k}: {m}" for k, m in sorted(plan.suite.budget.variant_match.items()))
+                        + ")",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("run", "data\nseed", "steps", "tokens", "params", "train\nFLOP/tok",
                 "prefill\nFLOP/tok", "decode\nFLOP/tok", "decode\nB/step", "status", "est.\ntime"):

@@ -57,7 +57,9 @@ def fig_curves(data: ReportData) -> Figure:
     token counts differ by design and compute is what was held equal)."""
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     full, tail = fig.subplots(1, 2)
-    iso_flop = data.suite["budget"]["match"] == "iso-flop"
+    # Against FLOPs only when every label was matched by FLOPs; a suite mixing both plots tokens.
+    iso_flop = data.suite["budget"]["match"] == "iso-flop" and not any(
+        m != "iso-flop" for m in data.suite["budget"].get("variant_match", {}).values())
     plotted = False
     for s, color in zip(data.summaries, _colors(len(data.summaries))):
         band = _curve_band(s.finished)

@@ -199,7 +199,7 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
 
     def steps_for(label: str) -> int:
         tokens = float(suite.budget.tokens)
-        if suite.budget.match == "iso-flop":
+        if suite.budget.match_for(label) == "iso-flop":
             tokens *= base_fpt / costs[label]["train_flops_per_token"]
         return max(1, round(tokens / probe[label].train.tokens_per_step))
 

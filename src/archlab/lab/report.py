@@ -492,7 +492,8 @@ def overview(data: ReportData) -> list[str]:
     return [
         f"Suite: {s['name']} ({s['origin']}), preset {s['preset'] or 'none'}"
         + (f", overrides: {' '.join(data.plan['overrides'])}" if data.plan["overrides"] else ""),
-        f"Budget: {s['budget']['tokens']:,} tokens, {s['budget']['match']} matching",
+        f"Budget: {s['budget']['tokens']:,} tokens, {s['budget']['match']} matching"
+        + "".join(f"; {label}: {m}" for label, m in sorted(s["budget"].get("variant_match", {}).items())),
         f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
         + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run")
         + ("; variants paired with the baseline by seed" if all(paired_design(data, x.label)

@@ -28,6 +28,8 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
     baseline: llama               # the baseline's label
     variants:                     # label -> overrides, dot-keys as in --set
       attnres: {model.residual.kind: attnres}
+      branch-isoflop: {model.branch.enabled: true, budget.match: iso-flop}  # this label's own
+                                  #   matching (default: the suite's budget.match)
     eval:
       every: 50                   # -> train.eval_every;  batches -> train.eval_batches
       last_k: 3                   # final loss = mean of the last k evaluations
@@ -93,7 +95,12 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # labels become directory 
 @dataclass(frozen=True)
 class Budget:
     tokens: int
-    match: Match
+    match: Match  # the suite's matching; a variant may name its own (``budget.match`` among its
+    #               overrides), e.g. one label of a model trained iso-token and one iso-FLOP
+    variant_match: dict[str, str] = field(default_factory=dict)  # label -> match, where it differs
+
+    def match_for(self, label: str) -> str:
+        return self.variant_match.get(label, self.match)
 
 
 @dataclass(frozen=True)
@@ -181,7 +188,8 @@ class Suite:
             "name": self.name, "description": self.description, "origin": self.origin,
             "preset": self.preset, "base": self.base,
             "data": None if self.data is None else vars(self.data),
-            "budget": vars(self.budget),
+            # variant_match only when some label has its own, so stored suites stay as they were
+            "budget": {k: v for k, v in vars(self.budget).items() if k != "variant_match" or v},
             "seeds": {"baseline": list(self.seeds.baseline), "variants": list(self.seeds.variants),
                       "data": "init" if self.seeds.data is None else self.seeds.data},
             "baseline": self.baseline, "variants": self.variants,
@@ -387,6 +395,23 @@ def _variants(r: SuiteReporter, raw: Any, baseline: str) -> dict[str, dict[str, 
     return variants
 
 
+def _variant_matches(r: SuiteReporter, variants: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Takes each variant's own ``budget.match`` out of its config overrides (it is not a config
+    key) and returns label -> match."""
+    matches: dict[str, str] = {}
+    for label, overrides in variants.items():
+        if "budget.match" not in overrides:
+            continue
+        match = overrides.pop("budget.match")
+        if match not in _MATCHES:
+            r.fail(f"variants.{label}.budget.match", f"must be one of {', '.join(_MATCHES)}, got {match!r}")
+        matches[label] = match
+    other = [k for o in variants.values() for k in o if k.startswith("budget.")]
+    if other:
+        r.fail("variants", f"{other[0]!r}: only budget.match can be set per variant")
+    return matches
+
+
 def _eval_spec(r: SuiteReporter, e: _EvalSection, base_dir: Path | None) -> EvalSpec:
     for key in ("every", "batches", "last_k", "limit"):
         _positive(r, f"eval.{key}", getattr(e, key))
@@ -483,11 +508,13 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
         r.fail("costs.batches", f"has repeated batch sizes: {batches!r}")
     _positive(r, "estimate.tokens_per_s", f.estimate.tokens_per_s)
 
+    variants = _variants(r, f.variants, f.baseline)
     return Suite(
         name=name, description=f.description, origin=origin, preset=f.preset, base=base,
         data=_data_spec(r, f.data) if "data" in data else None,
-        budget=Budget(tokens=f.budget.tokens, match=f.budget.match),  # type: ignore[arg-type]
-        seeds=seeds, baseline=f.baseline, variants=_variants(r, f.variants, f.baseline),
+        budget=Budget(tokens=f.budget.tokens, match=f.budget.match,  # type: ignore[arg-type]
+                      variant_match=_variant_matches(r, variants)),
+        seeds=seeds, baseline=f.baseline, variants=variants,
         eval=_eval_spec(r, f.eval, base_dir),
         costs=CostSpec(context=f.costs.context, dtype_bytes=f.costs.dtype_bytes,
                        measure=f.costs.measure,  # type: ignore[arg-type]
