@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from archlab.argtypes import config_args, int_at_least, positive_int
-from archlab.errors import ArchlabError, DataError, UsageError
+from archlab.errors import ArchlabError, DataError, UsageError, is_out_of_memory
 
 
 class _Parser(argparse.ArgumentParser):
@@ -286,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("archlab: interrupted; finished work and the last checkpoint are kept", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise  # a bug: its traceback is what a report needs
+        print("archlab: out of GPU memory; the last checkpoint is kept: lower train.batch_size "
+              "(raise train.grad_accum to keep the batch) or the runs sharing the GPU", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,3 +38,14 @@ class UsageError(ArchlabError):
     """A command-line argument out of its range (exit code 2, like argparse's own errors)."""
 
     exit_code = 2
+
+
+class OutOfMemory(ArchlabError):
+    """The accelerator ran out of memory: a resource limit the user sets (batch size, runs per
+    device), not a bug, so it is one line with what to change. Checkpoints already written stay."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is torch's out-of-memory error (by name: this module must not import torch,
+    and an error from a worker process arrives unpickled as the same type)."""
+    return type(e).__name__ == "OutOfMemoryError" or str(e).startswith("CUDA out of memory")

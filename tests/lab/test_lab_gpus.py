@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from archlab.config import make_config
-from archlab.errors import ConfigError
+from archlab.errors import ConfigError, OutOfMemory
 from archlab.lab.claims import lease_s
 from archlab.lab.cli import gpu_plan
 from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices, launch_command, parse_gpus
@@ -191,6 +192,28 @@ def test_a_worker_error_reaches_compare_and_leaves_the_run_resumable(tmp_path: P
         with pytest.raises(FileNotFoundError):
             run_suite(plan, store, list(plan.runs)[:1], console=quiet(), gpus=GpuPlan((0,)),
                       train_fn=FakeTrainer(log=tmp_path / "no-such-dir" / "log"))
+        assert store.claims() == {} and [r.status for r in store.runs()] == ["running"]
+
+
+class OutOfMemoryError(RuntimeError):
+    """Stands in for torch.OutOfMemoryError (matched by name, as archlab.errors does)."""
+
+
+@dataclass(frozen=True)
+class OutOfMemoryTrainer:
+    def __call__(self, cfg: Any, out: Path, **kwargs: Any) -> Any:
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB.")
+
+
+def test_a_worker_out_of_memory_is_one_line_and_the_run_stays_resumable(tmp_path: Path) -> None:
+    """Call 1 of the seventh session: 14 runs on one H200, one ran out of memory, and compare ended
+    in a traceback. It is a resource limit the user sets, so it is one line saying what to change."""
+    plan = build_plan(load_suite(write_suite(tmp_path, SMALL_SUITE)), tmp_path / "out", costs_fn=fake_costs)
+    with ResultStore(tmp_path / "out" / DB_NAME) as store:
+        with pytest.raises(OutOfMemory, match=r"^llama seed 0 ran out of GPU memory .* fewer --jobs") as e:
+            run_suite(plan, store, list(plan.runs)[:1], console=quiet(), gpus=GpuPlan((0,)),
+                      train_fn=OutOfMemoryTrainer())
+        assert "\n" not in str(e.value)
         assert store.claims() == {} and [r.status for r in store.runs()] == ["running"]
 
 

@@ -70,6 +70,9 @@ def test_iso_flop_scales_tokens_by_training_flops(tmp_path: Path) -> None:
     assert ratio == pytest.approx(0.5)
     assert branch.steps == round(81920 * ratio / 2048) == 20
     assert base.steps == 40
+    # The shorter run keeps its schedule's shape: warm-up and evaluations at the same fractions.
+    assert (base.config.train.warmup_steps, base.config.train.eval_every) == (2, 5)
+    assert (branch.config.train.warmup_steps, branch.config.train.eval_every) == (1, 2)
 
 
 def test_a_variant_can_name_its_own_matching(tmp_path: Path) -> None:

@@ -170,7 +170,8 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
     if suite.eval.batches is not None:
         eval_tree["train"]["eval_batches"] = suite.eval.batches
 
-    def build(label: str, init_seed: int, data_seed: int, steps: int) -> RunConfig:
+    def build(label: str, init_seed: int, data_seed: int, steps: int,
+              schedule: dict[str, int] | None = None) -> RunConfig:
         where = "base" if label == suite.baseline else f"variants.{label}"
         variant: dict[str, Any] = {}
         if label != suite.baseline:
@@ -180,7 +181,8 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
                 raise ConfigError(f"suite error: {suite.origin}: {where}: {e}") from None
             _check_reserved(variant, where, suite)
         tree = merge(merge(merge(suite.base, eval_tree), variant), over_tree)
-        tree = merge(tree, {"train": {"seed": init_seed, "steps": steps}, "data": {"seed": data_seed}})
+        tree = merge(tree, {"train": {"seed": init_seed, "steps": steps, **(schedule or {})},
+                            "data": {"seed": data_seed}})
         try:
             cfg = make_config(suite.preset, extra=tree)
         except ConfigError as e:
@@ -197,11 +199,25 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
              for label, cfg in probe.items()}
     base_fpt = costs[suite.baseline]["train_flops_per_token"]
 
+    def token_scale(label: str) -> float:
+        if suite.budget.match_for(label) != "iso-flop":
+            return 1.0
+        return base_fpt / costs[label]["train_flops_per_token"]
+
     def steps_for(label: str) -> int:
-        tokens = float(suite.budget.tokens)
-        if suite.budget.match_for(label) == "iso-flop":
-            tokens *= base_fpt / costs[label]["train_flops_per_token"]
-        return max(1, round(tokens / probe[label].train.tokens_per_step))
+        return max(1, round(suite.budget.tokens * token_scale(label) / probe[label].train.tokens_per_step))
+
+    def scheduled(cfg: RunConfig, label: str, init_seed: int, data_seed: int) -> RunConfig:
+        """An iso-FLOP run shorter or longer than its iso-token self keeps its schedule's shape:
+        warm-up and evaluations at the same fractions of training (a fixed 200-step warm-up in a
+        211-step run would leave it at its peak rate for 11 steps, and the last evaluations would
+        average different stages of training)."""
+        scale = token_scale(label)
+        if scale == 1.0:
+            return cfg
+        fit = {"warmup_steps": min(cfg.train.steps, round(cfg.train.warmup_steps * scale)),
+               "eval_every": max(1, round(cfg.train.eval_every * scale))}
+        return build(label, init_seed, data_seed, cfg.train.steps, schedule=fit)
 
     # Pass 2: the runs, interleaved by seed index so partial results cover every label early.
     runs: list[PlannedRun] = []
@@ -212,7 +228,7 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
                 continue
             init_seed = seeds[i]
             data_seed = suite.seeds.data_seed(init_seed)
-            cfg = build(label, init_seed, data_seed, steps_for(label))
+            cfg = scheduled(build(label, init_seed, data_seed, steps_for(label)), label, init_seed, data_seed)
             chash = _portable_hash(cfg, out_dir)
             ident = json.dumps([suite.name, label, init_seed, data_seed, chash])
             run_id = f"{label}-s{init_seed}-d{data_seed}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}"

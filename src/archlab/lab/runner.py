@@ -64,7 +64,7 @@ from rich.progress import Progress, TaskID
 
 import archlab
 from archlab.config import RunConfig
-from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
+from archlab.errors import ArchlabError, CheckpointError, OutOfMemory, TrainingDiverged, is_out_of_memory
 from archlab.lab.claims import Owner
 from archlab.lab.display import RUNS_DIR, SuiteEta, end_run, is_done, latest_train_record, make_progress
 from archlab.lab import heldout as _heldout
@@ -499,6 +499,16 @@ def _train_worker(db_path: Path, job: _Job, train_fn: TrainFn | None) -> RunEnd:
         return _train_claimed(store, job, train)
 
 
+def _as_user_error(run: PlannedRun, e: BaseException) -> BaseException:
+    """A worker's out-of-memory error is a resource limit (too many runs on one GPU), said in one
+    line; any other error keeps its traceback."""
+    if not is_out_of_memory(e):
+        return e
+    return OutOfMemory(f"{run.label} seed {run.init_seed} ran out of GPU memory beside the other runs of "
+                       "this compare; finished runs are recorded and this one is resumable: run compare "
+                       "again with fewer --jobs (or --runs-per-gpu)")
+
+
 def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: str, progress: Progress, overall: TaskID,
                   stop_after_steps: int | None, eta: SuiteEta, launcher: Launcher,
                   downstream: _Downstream | None = None, session: Session | None = None) -> None:
@@ -552,7 +562,7 @@ def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: s
                 except BaseException as e:  # noqa: BLE001 - re-raised once the running runs end
                     progress.remove_task(task)
                     eta.ended(run, None)
-                    error = error or e
+                    error = error or _as_user_error(run, e)
                     continue
                 eta.ended(run, end.row)
                 end_run(progress, overall, end.message, task)

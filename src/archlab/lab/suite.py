@@ -17,7 +17,8 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
     budget:
       tokens: 409600              # training tokens of the baseline run
       match: iso-token            # or iso-flop: a variant trains budget * F_base / F_variant
-                                  #   tokens (F = training FLOPs per token)
+                                  #   tokens (F = training FLOPs per token), with its warm-up
+                                  #   and evaluation interval scaled by the same factor
     seeds:
       baseline: [0, 1, 2]         # init seeds of the baseline (noise floor); default [0, 1, 2]
       variants: [0]               # init seeds of every variant; default [0]; `baseline`: the
