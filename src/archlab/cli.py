@@ -135,7 +135,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_checkpoint_consolidate(args) -> int:
-    from archlab.io.dcp import consolidate
+    from archlab.train.consolidate import consolidate
 
     out = consolidate(args.ckpt, args.out)
     print(f"wrote {out}: the sharded checkpoint {args.ckpt} as one safetensors checkpoint "

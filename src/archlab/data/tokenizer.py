@@ -14,7 +14,6 @@ and the loader refuses a tokenizer file that no longer matches the tokens on dis
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Iterable
@@ -24,6 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from archlab.errors import DataError
+from archlab.io.files import file_sha256  # re-exported: the data package's callers import it from here
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
@@ -70,15 +70,6 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> str:
         code = int(m.group(1))
         raise OSError(code, os.strerror(code), str(path)) from None
     return file_sha256(path)
-
-
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file's bytes, read in chunks so large shards do not need to fit in memory."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -38,8 +38,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from archlab.config import RunConfig, config_from_dict
-from archlab.data.tokenizer import file_sha256
 from archlab.errors import ArchlabError, CheckpointError, DiskFull
+from archlab.io.files import file_sha256
 from archlab.io.temporaries import TEMPORARY, host, process_exists, temporary_path
 
 FORMAT_VERSION = 1

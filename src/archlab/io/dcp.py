@@ -230,72 +230,10 @@ def load(ckpt: Path, state: dict[str, Any], model: torch.nn.Module, opt: torch.o
     return ckpt_io.load_tensors(ckpt, rng_file.name.removesuffix(".safetensors"))
 
 
-def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    model_tensors: dict[str, torch.Tensor], optim_tensors: dict[str, torch.Tensor],
-                    param_groups: list[dict[str, Any]]) -> None:
-    """Load a one-process (safetensors) checkpoint's full tensors into a wrapped model and its
-    optimizer (every rank passes the same full tensors; FSDP keeps its shard of each).
-
-    The safetensors format numbers optimizer states by parameter position (``state.I.K``); they
-    are renamed to parameter names here through the optimizer's own parameter order."""
-    from archlab.train.distributed import unwrap
-
-    inner = unwrap(model)
-    names: dict[int, str] = {}
-    for name, p in inner.named_parameters():  # tied parameters: the first name, as get_state_dict
-        names.setdefault(id(p), name)
-    full_msd = dict(model_tensors)
-    by_param: dict[int, str] = {}
-    for name, p in inner.named_parameters(remove_duplicate=False):  # tied names stored once
-        key = by_param.setdefault(id(p), name)
-        if name not in full_msd and key in full_msd:
-            full_msd[name] = full_msd[key]
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
-    for key, v in optim_tensors.items():
-        if key.startswith("state."):
-            _, idx, k = key.split(".", 2)
-            state.setdefault(order[int(idx)], {})[k] = v
-    groups, start = [], 0
-    for g in param_groups:
-        n = len(g["params"])
-        groups.append({**g, "params": order[start:start + n]})
-        start += n
-    set_state_dict(model, opt, model_state_dict=full_msd, optim_state_dict={"state": state, "param_groups": groups},
-                   options=StateDictOptions(full_state_dict=True))
-
-
-def consolidate(src: str | Path, out: str | Path) -> Path:
-    """A sharded checkpoint as a one-process checkpoint (safetensors): one process, no group.
-
-    The result is a complete checkpoint: eval, generate and serve read its weights, and a
-    one-process ``archlab train`` resumes from it (same config, same ``--out`` layout)."""
-    from archlab.config import config_from_dict
-    from archlab.model import build_model
-    from archlab.train.trainer import make_optimizer, optimizer_tensors
-
-    ckpt = ckpt_io.resolve_checkpoint(src)
-    state = ckpt_io.read_state(ckpt)
-    if not is_sharded(state):
-        raise CheckpointError(f"{ckpt} is already a one-process checkpoint (safetensors); nothing to consolidate")
-    cfg = config_from_dict(state["config"])
-    model = build_model(cfg.model)
-    opt = make_optimizer(model, cfg.train, torch.device("cpu"))
-    rng = load(ckpt, state, model, opt, rank=0)
-    otensors, ometa = optimizer_tensors(opt)
-    otensors.update(rng)
-    keep = {k: v for k, v in state.items()
-            if k not in ("format", "world_size", "dcp_files", "files", "format_version", "optimizer")}
-    extra = {"tokenizer.json": ckpt / "tokenizer.json"} if (ckpt / "tokenizer.json").is_file() else None
-    return ckpt_io.write_checkpoint(Path(out), {"model": ckpt_io.model_tensors(model), "optim": otensors},
-                                    {**keep, "optimizer": ometa}, extra)
-
-
 def pick_temporary(target: Path) -> str:
     """A temporary directory name for ``target`` (rank 0's host and pid: stale-temporary
     cleanup removes it once that process is gone)."""
     return temporary_path(Path(target), "tmp").name
 
 
-__all__ = ["FORMAT", "SafeReader", "consolidate", "is_sharded", "load", "load_full_state", "pick_temporary",
-           "save"]
+__all__ = ["FORMAT", "SafeReader", "is_sharded", "load", "pick_temporary", "save"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from archlab.model import registry
+from archlab.model.core.spec import layer_visits
 from archlab.typed import CONFIG, build, check, round_up
 
 
@@ -152,6 +153,13 @@ class ModelConfig:
         check(self.max_seq_len > 0, "model.max_seq_len", "must be positive")
         check(self.norm_eps > 0, "model.norm_eps", "must be positive")
         chosen = registry.chosen(self)  # every kind registered, no excluded pair
+        # The core keeps one KV-cache slot, two residual sites, the rows' taps and the costs per
+        # *layer*: a schedule may reorder the layers, but one that repeats (loops) or skips
+        # (layer dropout, early exit) a layer would decode from the wrong cache and be miscounted.
+        visits = layer_visits(self)
+        check(sorted(visits) == list(range(self.n_layers)), "model.schedule",
+              f"{self.schedule!r} visits layers {visits}; the core runs each of the {self.n_layers} layers "
+              "exactly once (repeating or skipping a layer needs per-visit caches, sites and costs)")
         seen = set()
         for v in chosen.values():
             name = v.section_name

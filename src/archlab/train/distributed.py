@@ -32,10 +32,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from archlab.errors import ArchlabError, ConfigError
 from archlab.model.core import parallel
@@ -252,3 +254,36 @@ def wrap(model: nn.Module, tc, env: DistEnv) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """The module whose parameter names are the checkpoint's (DDP adds ``module.``)."""
     return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+
+
+def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    model_tensors: dict[str, torch.Tensor], optim_tensors: dict[str, torch.Tensor],
+                    param_groups: list[dict[str, Any]]) -> None:
+    """Load a one-process (safetensors) checkpoint's full tensors into a wrapped model and its
+    optimizer (every rank passes the same full tensors; FSDP keeps its shard of each).
+
+    The safetensors format numbers optimizer states by parameter position (``state.I.K``); they
+    are renamed to parameter names here through the optimizer's own parameter order."""
+    inner = unwrap(model)
+    names: dict[int, str] = {}
+    for name, p in inner.named_parameters():  # tied parameters: the first name, as get_state_dict
+        names.setdefault(id(p), name)
+    full_msd = dict(model_tensors)
+    by_param: dict[int, str] = {}
+    for name, p in inner.named_parameters(remove_duplicate=False):  # tied names stored once
+        key = by_param.setdefault(id(p), name)
+        if name not in full_msd and key in full_msd:
+            full_msd[name] = full_msd[key]
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    for key, v in optim_tensors.items():
+        if key.startswith("state."):
+            _, idx, k = key.split(".", 2)
+            state.setdefault(order[int(idx)], {})[k] = v
+    groups, start = [], 0
+    for g in param_groups:
+        n = len(g["params"])
+        groups.append({**g, "params": order[start:start + n]})
+        start += n
+    set_state_dict(model, opt, model_state_dict=full_msd, optim_state_dict={"state": state, "param_groups": groups},
+                   options=StateDictOptions(full_state_dict=True))

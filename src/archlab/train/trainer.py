@@ -244,7 +244,7 @@ class Run:
             otensors = dcp_io.load(ck, state, self.model, self.opt, rank=self.dist.rank if self.dist else 0)
         elif self.dist is not None:  # a one-process checkpoint resumed by several processes
             otensors = ckpt_io.load_tensors(ck, "optim")
-            dcp_io.load_full_state(self.model, self.opt, ckpt_io.load_tensors(ck, "model"), otensors,
+            distributed.load_full_state(self.model, self.opt, ckpt_io.load_tensors(ck, "model"), otensors,
                                    state["optimizer"]["param_groups"])
         else:
             ckpt_io.load_weights(self.model, ckpt_io.load_tensors(ck, "model"), ck)
