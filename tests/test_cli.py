@@ -239,6 +239,19 @@ def test_config_errors_do_not_import_torch(argv):
     assert "config error" in proc.stderr
 
 
+@pytest.mark.parametrize("argv", [["compare", "--set", "train.lr=abc"],
+                                  ["compare", "--set", "model.n_layerz=3", "--dry-run"]])
+def test_compare_config_errors_import_neither_torch_nor_the_report(argv, tmp_path):
+    # the report's scipy and matplotlib took a second to import before the suite was read
+    code = ("import sys; from archlab.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, *(m in sys.modules for m in ('torch', 'scipy', 'matplotlib')))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(tmp_path / "suite")],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert proc.stdout.split() == ["2", "False", "False", "False"], proc.stdout + proc.stderr
+    assert "config error" in proc.stderr and list(tmp_path.iterdir()) == []
+
+
 def test_argtypes_for_generate_sampling(capsys):
     # the types the generate command is to use (its module is not this one's): boundaries included
     from archlab.argtypes import int_at_least, non_negative_float, positive_int, unit_float
