@@ -98,8 +98,8 @@ def test_damaged_checkpoint_is_reported_and_left_alone(damage, tiny_run, stdlib_
         (ck / "state.json").write_text("{not json")
     before = snapshot(run)
     # the error says where to go: the run's newest checkpoint that still verifies (step 3 of 3, 6)
-    intact = [f"the newest intact checkpoint is {run / 'ckpt' / 'step_0000003'}", "--ckpt",
-              str(run / "ckpt" / "latest")]
+    intact = [f"the newest intact checkpoint is {run / 'ckpt' / 'step_0000003'}", "--ckpt to eval",
+              f"to resume training from it, point {run / 'ckpt' / 'latest'} at it"]
     code, _, err = run_cli(capsys, "eval", "--ckpt", str(run))
     assert_one_line_error(code, err, 1, str(ck), *intact)
     # resuming training into it fails the same way and changes nothing
