@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
 
 def tiny_model_cfg(**over):
     """A model small enough for exact float checks in milliseconds."""
@@ -24,3 +33,23 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_kb: int) -> Iterator[Path]:
+    """A real file system of ``size_kb`` KB (tmpfs) mounted at ``path`` for the block, so a full
+    disk is the kernel's ENOSPC, not a simulated one. Mounting needs root (CAP_SYS_ADMIN); where
+    this machine allows none the test is skipped, and the simulated-ENOSPC tests cover the path."""
+    mount, umount = shutil.which("mount"), shutil.which("umount")
+    if os.geteuid() != 0 or mount is None or umount is None:
+        pytest.skip("mounting a small tmpfs needs root and mount(8); the simulated ENOSPC tests cover this")
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([mount, "-t", "tmpfs", "-o", f"size={size_kb}k,mode=0755", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({proc.stderr.strip()}); the simulated ENOSPC tests "
+                    f"cover this")
+    try:
+        yield path
+    finally:
+        subprocess.run([umount, "-l", str(path)], capture_output=True)

@@ -98,8 +98,8 @@ def test_damaged_checkpoint_is_reported_and_left_alone(damage, tiny_run, stdlib_
         (ck / "state.json").write_text("{not json")
     before = snapshot(run)
     # the error says where to go: the run's newest checkpoint that still verifies (step 3 of 3, 6)
-    intact = [f"the newest intact checkpoint is {run / 'ckpt' / 'step_0000003'}", "--ckpt",
-              str(run / "ckpt" / "latest")]
+    intact = [f"the newest intact checkpoint is {run / 'ckpt' / 'step_0000003'}", "--ckpt to eval",
+              f"to resume training from it, point {run / 'ckpt' / 'latest'} at it"]
     code, _, err = run_cli(capsys, "eval", "--ckpt", str(run))
     assert_one_line_error(code, err, 1, str(ck), *intact)
     # resuming training into it fails the same way and changes nothing
@@ -170,6 +170,16 @@ _BAD_ARGUMENTS = [
     (["probe", "routing", "--ckpt", "run", "--out", "p", "--batch-size", "0"], "--batch-size"),
     (["probe", "routing", "--ckpt", "run", "--out", "p", "--seq-len", "0"], "--seq-len"),
     (["train", "--out", "run", "--set", "train.threads=-1"], "train.threads"),
+    (["train", "--out", "run", "--set", "train.beta1=1.5"], "train.beta1"),
+    (["train", "--out", "run", "--set", "train.beta2=-0.1"], "train.beta2"),
+    (["train", "--out", "run", "--set", "train.weight_decay=-1"], "train.weight_decay"),
+    (["train", "--out", "run", "--set", "train.grad_clip=-1"], "train.grad_clip"),
+    (["train", "--out", "run", "--set", "train.grad_clip=0"], "train.grad_clip"),
+    (["train", "--out", "run", "--set", "train.lr=inf"], "train.lr"),
+    (["train", "--out", "run", "--set", "train.seed=-1"], "train.seed"),
+    (["train", "--out", "run", "--set", "data.seed=-1"], "data.seed"),
+    (["train", "--out", "run", "--set", "model.rope_theta=-1"], "model.rope_theta"),
+    (["train", "--out", "run", "--set", "model.init_std=inf"], "model.init_std"),
     (["generate", "--ckpt", "run", "--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens"),
     (["generate", "--ckpt", "run", "--prompt", "x", "--top-k", "-3"], "--top-k"),
     (["generate", "--ckpt", "run", "--prompt", "x", "--top-p", "-0.5"], "--top-p"),
@@ -227,6 +237,19 @@ def test_config_errors_do_not_import_torch(argv):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
     assert "config error" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["compare", "--set", "train.lr=abc"],
+                                  ["compare", "--set", "model.n_layerz=3", "--dry-run"]])
+def test_compare_config_errors_import_neither_torch_nor_the_report(argv, tmp_path):
+    # the report's scipy and matplotlib took a second to import before the suite was read
+    code = ("import sys; from archlab.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, *(m in sys.modules for m in ('torch', 'scipy', 'matplotlib')))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(tmp_path / "suite")],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert proc.stdout.split() == ["2", "False", "False", "False"], proc.stdout + proc.stderr
+    assert "config error" in proc.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_argtypes_for_generate_sampling(capsys):

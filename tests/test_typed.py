@@ -24,13 +24,14 @@ class Outer:
 
 
 @pytest.mark.parametrize("text,value", [("3e-4", 3e-4), ("1E5", 1e5), (".5e-3", 5e-4), ("-2.5", -2.5),
-                                        ("7", 7.0), ("+1e+2", 100.0)])
+                                        ("7", 7.0), ("+1e+2", 100.0),
+                                        ("1_000e-6", 1e-3), ("2_5.0_5", 25.05)])
 def test_float_spellings(text, value):
     assert as_float(text) == value
     assert build(Inner, {"lr": text}).lr == value
 
 
-@pytest.mark.parametrize("bad", ["1e", "e5", "three", "1.2.3", ""])
+@pytest.mark.parametrize("bad", ["1e", "e5", "three", "1.2.3", "", "1__0", "_1e3", "1_e3", "1e3_"])
 def test_not_floats(bad):
     assert as_float(bad) is None
     with pytest.raises(ConfigError, match="inner.lr: expected float"):

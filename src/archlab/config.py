@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,10 +27,17 @@ from archlab.typed import build, check, merge
 # --------------------------------------------------------------------------------------------
 # Data and training
 # --------------------------------------------------------------------------------------------
+#: the largest seed: what a signed 64-bit integer (SQLite, torch.manual_seed) holds
+MAX_SEED = 2**63 - 1
+
+
 @dataclass
 class DataConfig:
     path: str = "data/stdlib"  # a prepared data directory (archlab data prepare)
     seed: int = 0  # data-order seed, separate from the init seed
+
+    def validate(self) -> None:
+        check(0 <= self.seed <= MAX_SEED, "data.seed", f"must be in 0..{MAX_SEED}, got {self.seed}")
 
 
 @dataclass
@@ -81,7 +89,17 @@ class TrainConfig:
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_every", "eval_batches",
                      "ckpt_every", "keep_ckpts", "log_every"):
             check(getattr(self, name) > 0, f"train.{name}", "must be positive")
-        check(self.lr > 0, "train.lr", "must be positive")
+        check(0 <= self.seed <= MAX_SEED, "train.seed", f"must be in 0..{MAX_SEED}, got {self.seed}")
+        check(self.lr > 0 and math.isfinite(self.lr), "train.lr", f"must be a positive finite number, got {self.lr}")
+        # torch's AdamW raises on these only when the optimizer is built, after the run directory
+        # is written; a negative decay or clip would train silently on flipped updates or gradients
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            check(0 <= value < 1, f"train.{name}", f"must be in [0, 1), got {value}")
+        check(0 <= self.weight_decay and math.isfinite(self.weight_decay), "train.weight_decay",
+              f"must be a finite number >= 0, got {self.weight_decay}")
+        check(self.grad_clip > 0 and math.isfinite(self.grad_clip), "train.grad_clip",
+              f"must be a positive finite number (the largest gradient norm), got {self.grad_clip}")
         check(0 <= self.warmup_steps <= self.steps, "train.warmup_steps",
                f"must be in 0..steps={self.steps}")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
@@ -101,6 +119,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         self.model.validate()
         self.train.validate()
+        self.data.validate()
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                f"must be <= model.max_seq_len={self.model.max_seq_len}")
         return self

@@ -22,7 +22,10 @@ from archlab.errors import ConfigError
 
 # What YAML 1.1 (PyYAML) leaves as a string but every user means as a number: ``3e-4``, ``1E5``,
 # ``.5e-3`` (YAML wants a dot *and* a signed exponent), plus ``inf``/``nan`` spellings.
-_FLOAT_TEXT = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+# Python's float spellings (digits grouped by single underscores, as in 1_000e-6, included), which
+# YAML 1.1 leaves a string when they have no dot (3e-4, 1E5, 1_000e-6)
+_DIGITS = r"\d(?:_?\d)*"
+_FLOAT_TEXT = re.compile(rf"^[+-]?({_DIGITS}(\.({_DIGITS})?)?|\.{_DIGITS})([eE][+-]?{_DIGITS})?$")
 
 
 class Reporter:

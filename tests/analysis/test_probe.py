@@ -110,3 +110,21 @@ def test_probe_refuses_standard_model(tmp_path):
     save_model(tmp_path / "std", build_model(run.model), run)
     with pytest.raises(ArchlabError, match="attnres or delta"):
         _cli(["probe", "routing", "--ckpt", str(tmp_path / "std"), "--out", str(tmp_path / "o")])
+
+
+def test_probe_seq_len_beyond_the_models_context_is_one_error(tmp_path):
+    # an explicit --seq-len past the context was cut to it silently; the default still fits itself
+    from archlab.errors import UsageError
+    from archlab.io.checkpoint import save_model
+
+    run = make_config("tiny", overrides=["model.vocab_size=300", "model.n_layers=1", "model.d_model=32",
+                                         "model.max_seq_len=64", "train.seq_len=64",
+                                         "model.residual.kind=attnres"])
+    save_model(tmp_path / "ckpt", build_model(run.model), run)
+    base = ["probe", "routing", "--ckpt", str(tmp_path / "ckpt"), "--batches", "1", "--batch-size", "1",
+            "--device", "cpu"]
+    with pytest.raises(UsageError, match=r"--seq-len must be at most the model's context of 64 tokens, got 65"):
+        _cli([*base, "--out", str(tmp_path / "bad"), "--seq-len", "65"])
+    assert not (tmp_path / "bad").exists()
+    assert _cli([*base, "--out", str(tmp_path / "ok")]) == 0  # default 128, on a 64-token model
+    assert json.loads((tmp_path / "ok" / "routing.json").read_text())["seq_len"] == 64

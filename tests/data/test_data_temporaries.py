@@ -18,6 +18,7 @@ from archlab.cli import main as archlab_main
 from archlab.data import prepare
 from archlab.errors import DataError
 from tests.data.data_testutil import doc_folder, snapshot
+from tests.helpers import small_filesystem
 
 Docs = list[tuple[str, str]]
 # The module (archlab.data.prepare, as an attribute, is the function of that name).
@@ -120,6 +121,35 @@ def test_full_disk_through_the_cli(real_docs: Docs, tmp_path: Path, monkeypatch:
     assert err[0].startswith("archlab: no space left on device: writing ")
     assert err[0].endswith("; nothing was written")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+
+
+def test_a_real_full_disk_keeps_the_old_data_and_a_dead_runs_leftover_is_freed(
+        real_docs: Docs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a 96 KB tmpfs holds one prepared copy of these documents (about 64 KB in pages), not two:
+    # the kernel's own ENOSPC, no simulation
+    docs = doc_folder(tmp_path / "docs", real_docs)
+    with small_filesystem(tmp_path / "fs", 96) as fs:
+        out = fs / "out"
+        prepare(str(docs), out, vocab_size=300)
+        before = snapshot(out)
+        code = archlab_main(["data", "prepare", "--source", str(docs), "--out", str(out), "--vocab-size", "400",
+                             "--overwrite"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 1 and len(err) == 1, err
+        assert err[0].startswith(f"archlab: no space left on device: writing {fs}/.out.tmp-")
+        assert err[0].endswith(f"the prepared data already in {out} is unchanged")
+        assert snapshot(out) == before
+        assert sorted(p.name for p in fs.iterdir()) == ["out"]  # no temporary left to keep the disk full
+        # a killed prepare's temporary fills the disk: the next prepare removes it first, so the
+        # retry succeeds instead of failing for ever
+        for p in out.iterdir():
+            p.unlink()
+        out.rmdir()
+        leftover = prep.temporary_path(out, "tmp", pid=_dead_pid())
+        leftover.mkdir()
+        (leftover / "train_000.bin").write_bytes(b"\0" * 60 * 1024)
+        prepare(str(docs), out, vocab_size=300)
+        assert not leftover.exists() and (out / "manifest.json").is_file()
 
 
 def test_discard_never_raises(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from archlab.errors import DiskFull
 from archlab.io import checkpoint as ckpt_io
 from archlab.io.temporaries import temporary_path
 from tests.conftest import SMALL
-from tests.helpers import run_cli
+from tests.helpers import run_cli, small_filesystem
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,32 @@ def test_full_disk_while_replacing_a_small_file_keeps_it(tmp_path, monkeypatch):
         ckpt_io.atomic_write_text(target, "step_0000004\n")
     assert target.read_text() == "step_0000002\n"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+def test_a_real_full_disk_keeps_the_last_checkpoint_and_a_dead_writers_leftover_is_freed(tmp_path, dead_pid):
+    # a 1 MB tmpfs: the kernel's own ENOSPC, no simulation
+    def weights(kb: int) -> dict[str, dict[str, torch.Tensor]]:
+        return {"model": {"w": torch.ones(kb * 256)}}  # kb KB of float32
+
+    with small_filesystem(tmp_path / "fs", 1024) as fs:
+        root = fs / "ckpt"
+        ckpt_io.write_checkpoint(root / "step_0000001", weights(300), {"step": 1})
+        ckpt_io.atomic_write_text(root / "latest", "step_0000001\n")
+        with pytest.raises(DiskFull) as full:
+            ckpt_io.write_checkpoint(root / "step_0000002", weights(800), {"step": 2})
+        message = str(full.value)
+        assert "\n" not in message and message.startswith("no space left on device: writing ")
+        assert str(root) in message and "step_0000002" in message
+        assert f"the last checkpoint, {root / 'step_0000001'}, is kept" in message
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000001"]  # nothing left behind
+        assert ckpt_io.read_state(root / "step_0000001")["step"] == 1  # checksums verified
+        # a killed writer's temporary now fills the disk: the next write removes it first, so a
+        # retry succeeds instead of failing for ever
+        leftover = _leftover(temporary_path(root / "step_0000003", "tmp", pid=dead_pid), {})
+        (leftover / "model.safetensors").write_bytes(b"x" * 600 * 1024)
+        ckpt_io.write_checkpoint(root / "step_0000003", weights(300), {"step": 3})
+        assert not leftover.exists()
+        assert ckpt_io.load_tensors(root / "step_0000003", "model")["w"].numel() == 300 * 256
 
 
 def test_temporaries_are_named_as_prepared_data_names_them(tmp_path, dead_pid):

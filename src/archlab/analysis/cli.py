@@ -45,7 +45,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     r.add_argument("--out", default=None, help="output directory (default: CKPT/probe_routing)")
     r.add_argument("--batches", type=positive_int, default=4, help="batches to run (default 4)")
     r.add_argument("--batch-size", type=positive_int, default=4, help="sequences per batch (default 4)")
-    r.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence (default 128)")
+    r.add_argument("--seq-len", type=positive_int, default=None,
+                   help="tokens per sequence, at most the model's context (default 128, or the "
+                        "context when it is shorter)")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     r.set_defaults(func=run_probe_routing)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from archlab.errors import ArchlabError, CheckpointError
+from archlab.errors import ArchlabError, CheckpointError, UsageError
 from archlab.model.variants.attnres.module import RoutingRecorder, DepthRouting, mean_pairwise_js, site_label
 
 STREAM_NAMES = ("primary", "branch")
@@ -235,18 +235,25 @@ def probe_routing(model: nn.Module, batches: list[torch.Tensor], out_dir: str | 
 
 
 def probe_checkpoint(ckpt: str | Path, data: str | Path | None = None, out: str | Path | None = None,
-                     n_batches: int = 4, batch_size: int = 4, seq_len: int = 128,
+                     n_batches: int = 4, batch_size: int = 4, seq_len: int | None = None,
                      device: str = "auto") -> tuple[dict[str, Any], list[Path]]:
-    """``archlab probe routing``: load a checkpoint, pick tokens, probe, write the outputs."""
+    """``archlab probe routing``: load a checkpoint, pick tokens, probe, write the outputs.
+
+    ``seq_len`` None is 128, or the model's context when that is shorter; a longer one asked for
+    is an error (``UsageError``), not cut to the context."""
     from archlab.io.checkpoint import load_model
     from archlab.io.device import resolve_device
 
-    for key, value in (("batches", n_batches), ("batch-size", batch_size), ("seq-len", seq_len)):
+    for key, value in (("batches", n_batches), ("batch-size", batch_size), ("seq-len", seq_len or 1)):
         if value < 1:
             raise ArchlabError(f"--{key} must be positive, got {value}")
     model, run_cfg, ckpt_dir = load_model(ckpt, device=resolve_device(device))
     routing_module(model)
-    seq_len = min(seq_len, run_cfg.model.max_seq_len)
+    context = run_cfg.model.max_seq_len
+    if seq_len is None:
+        seq_len = min(128, context)
+    elif seq_len > context:
+        raise UsageError(f"--seq-len must be at most the model's context of {context} tokens, got {seq_len}")
     if data is not None:
         from archlab.data.loader import TokenData
 

@@ -357,8 +357,8 @@ def _intact_hint(bad: Path) -> str:
             _verified_state(cand)
         except CheckpointError:
             continue
-        return (f"; the newest intact checkpoint is {cand} (pass it as --ckpt, or point {latest} at it: "
-                f"echo {cand.name} > {latest})")
+        return (f"; the newest intact checkpoint is {cand} (pass it as --ckpt to eval, generate or serve; "
+                f"to resume training from it, point {latest} at it: echo {cand.name} > {latest})")
     return f"; no other checkpoint in {base} is intact"
 
 

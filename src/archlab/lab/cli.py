@@ -157,9 +157,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
 
     from archlab.lab.fmt import plural
     from archlab.lab.plan import build_plan, parse_shard, select, shard_ids
-    from archlab.lab.report import print_report, write_report
     from archlab.lab.display import plan_table
-    from archlab.lab.runner import run_suite, suite_lock
     from archlab.lab.store import DB_NAME, ResultStore
     from archlab.lab.session import Session
     from archlab.lab.suite import load_suite
@@ -201,7 +199,11 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
             if not job.path.exists():
                 console.print(f"will prepare {job.describe()} (vocab {job.vocab_size}) into {job.path}")
         return 0
+    # the report (scipy, matplotlib) and the runner take a second to import: only once the suite,
+    # its plan and the arguments are known to be good, so that their errors come at once
     from archlab.lab.claims import network_filesystem
+    from archlab.lab.report import print_report, write_report
+    from archlab.lab.runner import run_suite, suite_lock
 
     fs = network_filesystem(plan.out_dir)
     if fs is not None:  # a warning, not an error: one host alone on a network share is fine

@@ -53,11 +53,14 @@ import numpy as np
 from scipy import stats as sps
 from scipy.optimize import brentq
 
+# the multiple-comparison adjustments; the suite file's eval.adjust names one (defined there so that
+# reading a suite imports no scipy)
+from archlab.lab.suite import ADJUSTMENTS
+
 Verdict = Literal["better", "worse", "no significant difference", "insufficient seeds", "undetermined",
                   "not valid: seeds changed after results"]  # the last: archlab.lab.stoprule
 Method = Literal["welch", "pooled (single seed)", "paired", "none"]
 Adjust = Literal["bonferroni", "holm"]
-ADJUSTMENTS: tuple[str, ...] = ("bonferroni", "holm")
 POWER = 0.8  # the conventional power of the minimum detectable effect
 
 SeedKey = Hashable  # one run's (init seed, data seed): what pairs a variant run with a baseline run

@@ -90,6 +90,8 @@ from archlab.typed import Reporter, build, merge
 
 Match = Literal["iso-token", "iso-flop"]
 _MATCHES: tuple[str, ...] = ("iso-token", "iso-flop")
+#: the multiple-comparison adjustments eval.adjust may name (archlab.lab.stats computes them)
+ADJUSTMENTS: tuple[str, ...] = ("bonferroni", "holm")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # labels become directory names
 
 
@@ -137,7 +139,7 @@ class EvalSpec:
     tasks: tuple[str, ...] = ()  # zero-shot downstream tasks of every finished run (none: no eval)
     task_dir: str | None = None  # absolute; None = $ARCHLAB_TASK_DIR (archlab.eval.tasks.find_task)
     limit: int | None = None  # items per task (None = all)
-    adjust: str = "bonferroni"  # which adjusted p decides (archlab.lab.stats.ADJUSTMENTS)
+    adjust: str = "bonferroni"  # which adjusted p decides (ADJUSTMENTS)
 
 
 Measure = Literal["auto", "always", "never"]
@@ -427,8 +429,6 @@ def _eval_spec(r: SuiteReporter, e: _EvalSection, base_dir: Path | None) -> Eval
         if not task_dir.strip():
             r.fail("eval.task_dir", "is empty")
         task_dir = str((base_dir or Path.cwd()) / Path(task_dir).expanduser())
-    from archlab.lab.stats import ADJUSTMENTS
-
     if e.adjust not in ADJUSTMENTS:
         r.fail("eval.adjust", f"must be one of {', '.join(ADJUSTMENTS)}, got {e.adjust!r}")
     return EvalSpec(every=e.every, batches=e.batches, last_k=e.last_k, alpha=e.alpha, tasks=tasks,

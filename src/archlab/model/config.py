@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,9 +150,12 @@ class ModelConfig:
                       "model.layer_heads", f"{h} heads must split d_model={self.d_model} into even head dims")
                 check(h % group == 0, "model.layer_heads",
                       f"{h} heads is not a multiple of the q-per-kv group {group}")
-        check(self.init_std > 0, "model.init_std", "must be positive")
+        check(self.init_std > 0 and math.isfinite(self.init_std), "model.init_std",
+              f"must be a positive finite number, got {self.init_std}")
+        check(self.rope_theta > 0 and math.isfinite(self.rope_theta), "model.rope_theta",
+              f"must be a positive finite number, got {self.rope_theta}")
         check(self.max_seq_len > 0, "model.max_seq_len", "must be positive")
-        check(self.norm_eps > 0, "model.norm_eps", "must be positive")
+        check(self.norm_eps > 0 and math.isfinite(self.norm_eps), "model.norm_eps", "must be positive")
         chosen = registry.chosen(self)  # every kind registered, no excluded pair
         # The core keeps one KV-cache slot, two residual sites, the rows' taps and the costs per
         # *layer*: a schedule may reorder the layers, but one that repeats (loops) or skips
