@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from archlab.argtypes import positive_int
-from archlab.errors import ConfigError
+from archlab.errors import ConfigError, UsageError
 from archlab.lab.suite import builtin_suites
 
 if TYPE_CHECKING:
@@ -92,6 +92,17 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                               description="Build the report of a suite from its results database.")
     r.add_argument("dir", type=Path, help="suite directory (holds results.sqlite)")
     r.set_defaults(func=run_report)
+
+    t = subparsers.add_parser(
+        "trend", help="how each variant's effect moves between suites of two or more model sizes",
+        description="For every variant label the suite directories share: its effect on the final "
+                    "validation loss against each suite's own baseline, with that suite's adjusted p "
+                    "and verdict, and the change from the first directory to the last, tested by "
+                    "Welch's t-test on the per-seed differences (Holm over the labels). Give the "
+                    "directories smallest model first.")
+    t.add_argument("dirs", type=Path, nargs="+", metavar="DIR", help="finished suite directories (hold results.sqlite)")
+    t.add_argument("--md", action="store_true", help="print a Markdown table instead of the terminal table")
+    t.set_defaults(func=run_trend)
 
 
 def _start_over(out: Path, force: bool, console: Console) -> None:
@@ -260,4 +271,31 @@ def run_report(args: argparse.Namespace) -> int:
     md, html = write_report(args.dir)
     print_report(args.dir, console)
     console.print(f"wrote {md} and {html}", highlight=False)
+    return 0
+
+
+def run_trend(args: argparse.Namespace) -> int:
+    """The ``trend`` command."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from archlab.lab.trend import load_suite_dir, markdown, trend
+
+    if len(args.dirs) < 2:
+        raise UsageError("trend needs at least two suite directories, smallest model first")
+    rows = trend([load_suite_dir(d) for d in args.dirs])
+    if args.md:
+        print(markdown(rows))
+        return 0
+    names = [p.suite for p in rows[0].points]
+    table = Table(title="effect against each suite's baseline (final validation loss; negative is better)")
+    for col in ["variant", *[f"Δ {n}" for n in names], "change", "p Welch", "p Holm"]:
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in rows:
+        cells = [r.label]
+        cells += ["-" if p.effect is None else f"{p.effect:+.4f} {p.verdict}" for p in r.points]
+        cells += ["-" if r.change is None else f"{r.change:+.4f}",
+                  "-" if r.p is None else f"{r.p:.2g}", "-" if r.p_holm is None else f"{r.p_holm:.2g}"]
+        table.add_row(*cells)
+    Console().print(table)
     return 0

@@ -1,0 +1,119 @@
+"""How a verdict moves between model sizes: the same comparison run as two or more suites.
+
+``archlab trend SMALL_DIR LARGE_DIR`` reads finished suite directories (each with its own
+baseline) and prints, for every variant label they share, its effect in each suite (variant minus
+that suite's baseline, final validation loss), the deciding test's adjusted p and verdict as that
+suite's report states them, and the **change** of the effect from the first suite to the last.
+
+The change is tested on the per-seed differences: in each suite, a variant run and the baseline run
+with the same (init seed, data seed) give one difference (unpaired suites: variant seeds minus the
+baseline's mean); the two samples of differences are compared with Welch's t-test, and Holm's
+step-down adjusts the p over the shared labels (a family fixed by the suites, not by the results).
+The suites' runs are separate trainings, but suites that share seeds and data orders are not
+fully independent; Welch's test ignores that, which makes it conservative when the shared data
+order moves both sizes the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from archlab.errors import ArchlabError
+from archlab.lab import stats
+from archlab.lab.report import ReportData, collect
+from archlab.lab.store import DB_NAME, ResultStore
+
+
+@dataclass(frozen=True)
+class SizePoint:
+    """One label in one suite."""
+
+    suite: str
+    params: int | None
+    effect: float | None  # mean(variant) - mean(baseline)
+    p_adjusted: float | None  # the suite's deciding adjusted p (its eval.adjust)
+    verdict: str
+    diffs: tuple[float, ...]  # per-seed differences against the baseline
+
+
+@dataclass(frozen=True)
+class TrendRow:
+    label: str
+    points: tuple[SizePoint, ...]
+    change: float | None  # effect(last) - effect(first)
+    p: float | None  # Welch on the per-seed differences, first against last
+    p_holm: float | None = None
+
+
+def _differences(data: ReportData, label: str) -> tuple[float, ...]:
+    base = {(r.init_seed, r.data_seed): r.final_val_loss for r in data.baseline.finished}
+    mine = next(s for s in data.summaries if s.label == label).finished
+    paired = [r.final_val_loss - base[(r.init_seed, r.data_seed)] for r in mine
+              if (r.init_seed, r.data_seed) in base]
+    if len(paired) == len(mine) and len(paired) >= 2:
+        return tuple(paired)
+    mean = float(np.mean(list(base.values()))) if base else float("nan")
+    return tuple(r.final_val_loss - mean for r in mine)
+
+
+def _point(data: ReportData, label: str) -> SizePoint:
+    s = next(s for s in data.summaries if s.label == label)
+    c = s.comparison
+    adjusted = None if c is None else (c.p_holm if data.adjust == "holm" else c.p_adjusted)
+    params = s.costs.get("params_total") if s.costs else None
+    return SizePoint(suite=data.suite["name"], params=None if params is None else int(params),
+                     effect=None if c is None else c.diff, p_adjusted=adjusted, verdict=s.verdict,
+                     diffs=_differences(data, label))
+
+
+def load_suite_dir(path: Path) -> ReportData:
+    db = Path(path) / DB_NAME
+    if not db.is_file():
+        raise ArchlabError(f"{path} is not a suite directory (no {DB_NAME}; run archlab compare first)")
+    with ResultStore(db) as store:
+        return collect(store)
+
+
+def trend(suites: list[ReportData]) -> list[TrendRow]:
+    """Every variant label shared by all ``suites`` (in the order given: smallest model first)."""
+    if len(suites) < 2:
+        raise ArchlabError("trend needs at least two suite directories")
+    variants = [[s.label for s in d.summaries[1:]] for d in suites]
+    shared = [label for label in variants[0] if all(label in v for v in variants[1:])]
+    if not shared:
+        raise ArchlabError("the suites share no variant label: a trend compares the same variants")
+    rows = []
+    for label in shared:
+        points = tuple(_point(d, label) for d in suites)
+        first, last = points[0], points[-1]
+        change = p = None
+        if first.effect is not None and last.effect is not None:
+            change = last.effect - first.effect
+            test = stats.unpaired_test(first.diffs, last.diffs)
+            p = None if test is None else test.p
+        rows.append(TrendRow(label=label, points=points, change=change, p=p))
+    adjusted = stats.holm([r.p for r in rows])
+    return [TrendRow(r.label, r.points, r.change, r.p, h) for r, h in zip(rows, adjusted)]
+
+
+def markdown(rows: list[TrendRow]) -> str:
+    """The trend as a Markdown table (what ``archlab trend --md`` prints)."""
+    names = [p.suite for p in rows[0].points]
+    head = ["variant", *[f"Δ {n} (adj. p, verdict)" for n in names], "change", "p (Welch)", "p Holm"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.label]
+        for p in r.points:
+            cells.append("-" if p.effect is None else f"{p.effect:+.4f} ({_p(p.p_adjusted)}, {p.verdict})")
+        cells += ["-" if r.change is None else f"{r.change:+.4f}", _p(r.p), _p(r.p_holm)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}"
