@@ -10,6 +10,10 @@ and a decode step captured as a CUDA graph. The roofline of a decode step is
 ``accounting.decode_bytes_per_step / measured copy bandwidth``; prefill is reported as MFU against
 the detected device's peak. Prints a Markdown table and one JSON object per row.
 
+``--grouped time,heads`` measures the branch's decode once per placement of its rows in the
+attention call (``archlab.model.core.layers.GROUPED_DECODE``: more queries, or more query heads),
+one table row each, against the same baseline measurement.
+
 ``--profile`` also profiles 20 batch-1 decode steps of each model (the step body the graph
 captures, run uncaptured so the profiler sees every kernel) and prints, per model, the kernels
 per step, the GPU-busy time per step and the kernels that take it, so the branch's extra cost can
@@ -33,6 +37,7 @@ from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandw
 from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
 from archlab.model import build_model  # noqa: E402
+from archlab.model.core import layers  # noqa: E402
 
 
 def models(preset: str, max_len: int, extra: list[str]):
@@ -79,7 +84,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], dest="extra", help="config override for both models")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode of both models")
+    ap.add_argument("--grouped", default=layers.GROUPED_DECODE,
+                    help=f"where grouped decode puts the branch rows, one or more of {layers.GROUPED_DECODE_MODES}")
     args = ap.parse_args()
+    modes = args.grouped.split(",")
+    if not set(modes) <= set(layers.GROUPED_DECODE_MODES):
+        ap.error(f"--grouped: each of {layers.GROUPED_DECODE_MODES}, got {args.grouped!r}")
     if not torch.cuda.is_available():
         print("decode_latency: no CUDA device; nothing to measure")
         return
@@ -99,15 +109,18 @@ def main() -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
             for b in [int(x) for x in args.batches.split(",")]:
-                dec = {name: bench_decode(m, b, args.context, args.steps, bw)
-                       for name, m in (("baseline", base), ("branch", branch))}
-                r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context,
-                     "baseline": as_dict(dec["baseline"]), "branch": as_dict(dec["branch"]),
-                     "ratio": dec["branch"].ms_per_step / dec["baseline"].ms_per_step}
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+                ref = bench_decode(base, b, args.context, args.steps, bw)
+                for mode in modes:
+                    layers.GROUPED_DECODE = mode  # read when the step is traced (a new engine per call)
+                    dec = bench_decode(branch, b, args.context, args.steps, bw)
+                    r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "grouped": mode,
+                         "baseline": as_dict(ref), "branch": as_dict(dec), "ratio": dec.ms_per_step / ref.ms_per_step}
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
             if args.profile:
-                for name, m in (("baseline", base), ("branch", branch)):
+                runs = [("baseline", base, modes[0])] + [(f"branch ({mode})", branch, mode) for mode in modes]
+                for name, m, mode in runs:
+                    layers.GROUPED_DECODE = mode
                     prof = profile_decode(m, args.context)
                     print(f"\nprofile {preset} {name} decode b1: {prof['kernels_per_step']:.0f} kernels/step, "
                           f"GPU busy {prof['gpu_busy_ms']:.3f} ms/step")
@@ -124,7 +137,7 @@ def main() -> None:
             print(f"| {r['preset']} | prefill (TTFT) | prompt {r['prompt']} | {b['ms']:.3f} | {d['ms']:.3f} | "
                   f"{r['ratio']:.3f} | {mfu(b)} / {mfu(d)} |")
         else:
-            print(f"| {r['preset']} | decode | batch {r['batch']}, ctx {r['context']} | {b['ms_per_step']:.3f} | "
+            print(f"| {r['preset']} | decode ({r['grouped']}) | batch {r['batch']}, ctx {r['context']} | {b['ms_per_step']:.3f} | "
                   f"{d['ms_per_step']:.3f} | {r['ratio']:.3f} | {b['frac_of_roofline']:.1%} / "
                   f"{d['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} / {d['roofline_ms']:.3f} ms |")
     if args.json:

@@ -86,6 +86,27 @@ def test_grouped_decoding_reproduces_training_forward(n_branches, readout):
     assert_matches_full_forward(model, seqs, prompt_lens=[4, 2, 8])
 
 
+@pytest.mark.parametrize("mode", ["time", "heads"])
+@pytest.mark.parametrize("kv_heads,sinks", [(4, False), (2, False), (1, False), (2, True)])
+def test_grouped_decode_places_rows_on_time_or_heads_with_the_same_result(monkeypatch, mode, kv_heads, sinks):
+    """The branch rows of a decode step as more queries or as more query heads (GQA over the same
+    key/value heads): both reproduce the training forward, with and without grouped KV heads and
+    attention sinks (whose per-head logit must follow its head into the folded layout)."""
+    from archlab.model.core import layers
+
+    monkeypatch.setattr(layers, "GROUPED_DECODE", mode)
+    torch.manual_seed(3)
+    cfg = tiny_model_cfg(n_kv_heads=kv_heads, attn_sinks=sinks)
+    cfg.branch.enabled, cfg.branch.n_branches = True, 2
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".couple_" in name or name.endswith(".sink"):
+                torch.nn.init.normal_(p, 0.0, 0.5)  # random, so that a misplaced row or sink fails
+    seqs = [torch.randint(1, 97, (n,)).tolist() for n in (11, 6, 9)]
+    assert_matches_full_forward(model, seqs, prompt_lens=[3, 2, 7])
+
+
 def test_kv_cache_after_generation_equals_primary_only_cache():
     model = branch_model()
     base = primary_only(model)

@@ -136,6 +136,16 @@ class RoPE(nn.Module):
 
 
 # ---- attention -----------------------------------------------------------------------------------
+# Where grouped decode puts a sequence's follower rows (the decode branch) in its one attention
+# call over the cache: "time", as more queries of the sequence (the default, measured on the
+# H200: with 2 queries cuDNN picks a prefill kernel with 64-row query tiles, 21 us per 124m layer
+# against 5 us for one query, docs/benchmarks.md seventh session), or "heads", as more query heads
+# of one query each (grouped-query attention over the same key/value heads), which keeps the
+# 1-query decode kernel; not yet timed on a GPU. `benchmarks/decode_latency.py --grouped` compares
+# them in one call. Read when a step is traced: set it before compiling.
+GROUPED_DECODE = "time"
+GROUPED_DECODE_MODES = ("time", "heads")
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
          sink: Tensor | None = None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads (k/v may have fewer heads).
@@ -300,6 +310,24 @@ class Attention(nn.Module):
         o = self._attend(q, k, v, ctx, lead)
         return self.wo(o.transpose(1, 2).reshape(rows, o.shape[2], self.q_dim))
 
+    def _grouped_decode(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, g: int) -> Tensor:
+        """Grouped decode: ``g`` rows per sequence (primary, then followers), one new token each,
+        all reading that sequence's cache once, in one attention call.
+
+        ``GROUPED_DECODE`` says where the rows go (module doc of the constant); either way the
+        cache is read once per sequence and the result is the same up to rounding."""
+        batch, h, hd = k.shape[0], q.shape[1], q.shape[3]
+        rows = q.view(g, batch, h, hd).permute(1, 2, 0, 3)  # [B, H, g, hd]: a sequence's rows
+        if GROUPED_DECODE == "time":
+            # As g queries of one sequence (a view, no copy) under its one-query mask.
+            o = sdpa(rows, k, v, mask=ctx.mask, sink=self.sink)
+            return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
+        # As g times the query heads, one query each: head j's rows are heads j*g .. j*g+g-1, which
+        # grouped-query attention maps onto head j's key/value head, so no key or value is copied.
+        sink = None if self.sink is None else self.sink.repeat_interleave(g)
+        o = sdpa(rows.reshape(batch, h * g, 1, hd), k, v, mask=ctx.mask, sink=sink)
+        return o.view(batch, h, g, hd).permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
         """Attention of every row of ``q`` [R, H, T, hd]; rows past ``lead`` are followers of
         sequence ``row % batch``, which see the same keys/values and mask as that sequence."""
@@ -319,11 +347,7 @@ class Attention(nn.Module):
         # reads that sequence's cache once, in one attention call with the primary rows.
         reps = (q.shape[0] - lead) // batch
         if t == 1 and lead == batch and reps:
-            # Grouped decode: the rows of a sequence become its queries by a view alone (no copy),
-            # and the sequence's one-query mask broadcasts over them.
-            g, h, hd = 1 + reps, q.shape[1], q.shape[3]
-            o = sdpa(q.view(g, batch, h, hd).permute(1, 2, 0, 3), k, v, mask=ctx.mask, sink=self.sink)
-            return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
+            return self._grouped_decode(q, k, v, ctx, 1 + reps)
         folded = []
         if lead:
             folded.append(q[:lead])
