@@ -249,6 +249,60 @@ def test_a_run_under_torchrun_trains_and_is_read_back(stdlib_data: Path, tmp_pat
     assert again.steps == 6 and "resuming from step 6" in (run_dir / "torchrun.log").read_text()
 
 
+def _pids_running(needle: str) -> list[int]:
+    """Live (not zombie) processes whose command line contains ``needle``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmd and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the ranks through /proc")
+def test_kill_9_of_the_worker_takes_torchruns_ranks_with_it(stdlib_data: Path, tmp_path: Path) -> None:
+    """A run on several GPUs trains in torchrun's ranks, grandchildren of the worker. The worker
+    (and torchrun's agent, set to die with it) going down to SIGKILL must not leave a rank
+    training into the run directory (the sixth session's known limit)."""
+    run_dir = tmp_path / "run"
+    script = tmp_path / "worker.py"
+    script.write_text(f"""
+from pathlib import Path
+from archlab.config import make_config
+from archlab.lab.worker import torchrun_train
+cfg = make_config("tiny", None, ["data.path={stdlib_data}", "model.vocab_size=512", "model.d_model=32",
+                                 "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                                 "train.batch_size=4", "train.seq_len=32", "train.steps=1000000",
+                                 "train.eval_every=1000000", "train.log_every=1", "train.ckpt_every=1000000",
+                                 "train.device=cpu"])
+torchrun_train(cfg, Path({str(run_dir)!r}), 1)
+""")
+    worker = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").is_file() or not _pids_running(f"--out {run_dir}"):
+            assert worker.poll() is None and time.monotonic() < deadline, "the rank never started training"
+            time.sleep(0.2)
+        ranks = [p for p in _pids_running(f"--out {run_dir}") if p != worker.pid]
+        assert ranks  # torchrun's agent and its rank
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        deadline = time.monotonic() + 15
+        while _pids_running(f"--out {run_dir}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _pids_running(f"--out {run_dir}")
+    finally:
+        for pid in _pids_running(f"--out {run_dir}"):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes still training into the run directory: {left}"
+
+
 # ---- claims as leases ------------------------------------------------------------------------
 def test_lease_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ARCHLAB_CLAIM_LEASE_S", raising=False)

@@ -13,7 +13,8 @@ Protocol: ``python -m archlab.lab.worker JOB_FILE RESULT_FILE PARENT_PID``. JOB_
 of ``WorkerJob``; the worker writes RESULT_FILE (a pickle of the ``RunEnd``, or of the exception
 that ended the run) atomically before it exits, and dies with PARENT_PID (``die_with_parent``).
 ``python -m archlab.lab.worker --exec-with-parent PID CMD...`` runs CMD in place of itself, set to
-die with PID: how the torchrun child is kept from outliving its worker.
+die with PID: how the torchrun child is kept from outliving its worker; its ranks are started with
+``DIE_WITH_PARENT_ENV`` set, so each dies with torchrun's agent in turn.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from archlab.errors import ArchlabError, TrainingDiverged
 
 TORCHRUN_LOG = "torchrun.log"  # in the run directory: what torchrun and its ranks printed
 LAUNCH_CONFIG = "launch.yaml"  # in the run directory: the run's config, as torchrun's ranks read it
+# Set for torchrun's ranks: `archlab train` then dies with its parent (torchrun's agent, which dies
+# with this worker, which dies with compare), so a kill -9 of compare leaves no rank training.
+DIE_WITH_PARENT_ENV = "ARCHLAB_DIE_WITH_PARENT"
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ def torchrun_train(cfg: Any, out: Path, nproc: int) -> Any:
     t0 = time.perf_counter()
     with open(out / TORCHRUN_LOG, "ab") as log:
         rc = subprocess.run([sys.executable, "-m", "archlab.lab.worker", "--exec-with-parent",
-                             str(os.getpid()), *cmd], stdout=log, stderr=subprocess.STDOUT).returncode
+                             str(os.getpid()), *cmd], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, DIE_WITH_PARENT_ENV: "1"}).returncode
     wall = time.perf_counter() - t0
     if rc != 0:
         # archlab train prints a divergence as one line "archlab: training diverged: ..."; under
