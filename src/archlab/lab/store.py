@@ -1,23 +1,20 @@
 """The results store: one SQLite file per suite directory, one row per run (``runs``), one
 row per (run, downstream task, item limit) for zero-shot evaluations of finished runs
 (``downstream``), and one row per (run, phase, batch, requested length) for measured inference
-latency of finished runs (``latency``).
+latency of finished runs (``latency``). This module owns the connection and every read and write
+(``ResultStore``) and the claims' heartbeat thread (``Heartbeat``); the schema and its migrations
+are ``archlab.lab.store_schema``, the records ``archlab.lab.store_rows``, the claims' records and
+keys ``archlab.lab.store_claims`` (all re-exported here, so ``archlab.lab.store`` stays the one
+import path).
 
 Why SQLite: a comparison can take days, gets interrupted, and is read by reports while it is
 still running. SQLite in WAL mode gives atomic, durable transactions (``synchronous=FULL``),
 readers that never block the writer, and a file that a killed writer leaves readable: the
 write-ahead log is either committed as a whole or ignored. Each public write is one transaction.
 
-Invariants, enforced by the database itself (triggers), not only by this code:
-
-* a row whose status is ``finished`` or ``diverged`` is never updated or deleted, so nothing
-  measured is lost or silently replaced;
-* a ``downstream`` row belongs to a finished run, and is never updated or deleted either (a new
-  item limit is a new row, so results with other limits stay as they were measured); the same
-  for a ``latency`` row (another prompt, context or batch size is another row);
-* the schema version lives in ``PRAGMA user_version``; a file from a newer archlab is refused
-  rather than misread, and an older one is migrated when opened (``_MIGRATIONS``; each step
-  only adds tables or nullable columns, so nothing already stored changes).
+Invariants, enforced by the database itself (triggers), not only by this code: finished and
+diverged runs and every stored measurement are never updated or deleted, and the schema version
+lives in ``PRAGMA user_version`` (``archlab.lab.store_schema`` says which and why).
 
 Claims (``claims``): a run being trained, or a finished run being evaluated downstream, is held by
 the process doing it (``archlab.lab.claims``): taken atomically before the work (with the run's
@@ -26,13 +23,6 @@ transaction that records a run finished or diverged, so a run is always either c
 recorded, or free to resume. A claim whose process is gone is taken over by the next claimant;
 a live one is respected, so no run is ever trained by two processes at once. A ``running`` row
 without a live claim is a run that was *interrupted* (``display_status``).
-
-Schema versions: v1, the ``runs`` and ``meta`` tables; v2 (downstream evaluation) adds the
-``downstream`` table and its triggers; v3 adds the ``claims`` table and ``runs.runs_at_once``
-(how many runs this host was training at once while the run trained, sampled: the context its
-tokens/s was measured in); v4 (measured cost) adds the ``latency`` table and its triggers; v5
-(extra evaluation corpora) adds the ``heldout`` table (a finished run's loss on each of the suite's
-``eval_data`` corpora) and its triggers.
 """
 
 from __future__ import annotations
@@ -42,364 +32,26 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol
+from typing import Any, Iterator
 
 from archlab.errors import ArchlabError
-from archlab.lab.claims import Owner, heartbeat_s, holder_alive
+from archlab.lab.claims import Owner, heartbeat_s
+from archlab.lab.store_claims import (LATENCY_KEY, Claim, ClaimResult, display_status, downstream_key,
+                                      is_run_key)
+from archlab.lab.store_rows import (DownstreamRow, HeldoutRow, LatencyRow, RunRow, RunStart, Status,
+                                    TrainOutcome)
+from archlab.lab.store_schema import (_MIGRATIONS, _SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
+                                      COST_KEYS, SCHEMA_VERSION)
 
-SCHEMA_VERSION = 5
+__all__ = [
+    "COST_KEYS", "DB_NAME", "LATENCY_KEY", "SCHEMA_VERSION", "Claim", "ClaimResult", "DownstreamRow",
+    "Heartbeat", "HeldoutRow", "LatencyRow", "ResultStore", "RunRow", "RunStart", "Status", "TrainOutcome",
+    "_MIGRATIONS", "_SCHEMA_V1", "_SCHEMA_V2", "_SCHEMA_V3", "_SCHEMA_V4", "_SCHEMA_V5", "display_status",
+    "downstream_key", "is_run_key",
+]
+
 DB_NAME = "results.sqlite"
-
-Status = Literal["running", "finished", "diverged"]
-
-# The cost columns of METHODOLOGY.md, as returned by ``archlab.model.accounting.costs``.
-COST_KEYS: tuple[str, ...] = (
-    "params_total",
-    "params_active",
-    "params_embedding",
-    "train_flops_per_token",
-    "prefill_flops_per_token",
-    "decode_flops_per_token",
-    "kv_bytes_per_token",
-    "decode_bytes_per_step",
-)
-
-# The schema of each version as the statements that build it from the previous one. Never edit a
-# released step (databases in the field were built by it); add a step and bump SCHEMA_VERSION.
-_SCHEMA_V1: tuple[str, ...] = (
-    """CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
-    """CREATE TABLE runs (
-        run_id TEXT PRIMARY KEY,
-        suite TEXT NOT NULL,
-        label TEXT NOT NULL,
-        role TEXT NOT NULL CHECK (role IN ('baseline', 'variant')),
-        init_seed INTEGER NOT NULL,
-        data_seed INTEGER NOT NULL,
-        status TEXT NOT NULL CHECK (status IN ('running', 'finished', 'diverged')),
-        config TEXT NOT NULL,
-        config_hash TEXT NOT NULL,
-        code_revision TEXT NOT NULL,
-        planned_tokens INTEGER NOT NULL,
-        planned_steps INTEGER NOT NULL,
-        attempts INTEGER NOT NULL,
-        started_at REAL NOT NULL,
-        finished_at REAL,
-        params_total INTEGER,
-        params_active INTEGER,
-        params_embedding INTEGER,
-        train_flops_per_token REAL,
-        prefill_flops_per_token REAL,
-        decode_flops_per_token REAL,
-        kv_bytes_per_token REAL,
-        decode_bytes_per_step REAL,
-        cost_context INTEGER NOT NULL,
-        tokens INTEGER,
-        steps INTEGER,
-        final_val_loss REAL,
-        final_val_bpb REAL,
-        val_curve TEXT,
-        train_curve TEXT,
-        params_model INTEGER,
-        tokens_per_s REAL,
-        mfu REAL,
-        wall_s REAL,
-        device TEXT,
-        error TEXT
-    )""",
-    """CREATE TRIGGER runs_terminal_no_update BEFORE UPDATE ON runs
-       WHEN OLD.status != 'running'
-       BEGIN SELECT RAISE(ABORT, 'archlab: a finished run is never overwritten'); END""",
-    """CREATE TRIGGER runs_terminal_no_delete BEFORE DELETE ON runs
-       WHEN OLD.status != 'running'
-       BEGIN SELECT RAISE(ABORT, 'archlab: a finished run is never deleted'); END""",
-)
-
-_SCHEMA_V2: tuple[str, ...] = (
-    """CREATE TABLE downstream (
-        run_id TEXT NOT NULL REFERENCES runs (run_id),
-        task TEXT NOT NULL,
-        item_limit INTEGER NOT NULL CHECK (item_limit >= 0),  -- 0: every item of the task
-        n INTEGER NOT NULL CHECK (n > 0),
-        acc REAL NOT NULL,
-        acc_stderr REAL NOT NULL,
-        acc_norm REAL,              -- multiple choice only
-        acc_norm_stderr REAL,
-        ppl REAL,                   -- LAMBADA only
-        source TEXT,                -- where the task data was read from
-        evaluated_at REAL NOT NULL,
-        PRIMARY KEY (run_id, task, item_limit)
-    )""",
-    """CREATE TRIGGER downstream_of_finished_runs_only BEFORE INSERT ON downstream
-       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
-       BEGIN SELECT RAISE(ABORT, 'archlab: downstream results belong to a finished run'); END""",
-    """CREATE TRIGGER downstream_no_update BEFORE UPDATE ON downstream
-       BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never overwritten'); END""",
-    """CREATE TRIGGER downstream_no_delete BEFORE DELETE ON downstream
-       BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never deleted'); END""",
-)
-
-_SCHEMA_V3: tuple[str, ...] = (
-    """CREATE TABLE claims (
-        key TEXT PRIMARY KEY,       -- a run id, or 'downstream:' + run id for its evaluation
-        pid INTEGER NOT NULL,
-        host TEXT NOT NULL,
-        boot TEXT NOT NULL,         -- archlab.lab.claims.Owner.boot
-        started TEXT NOT NULL,      -- the process's start time, to tell a reused pid
-        claimed_at REAL NOT NULL,
-        heartbeat_at REAL NOT NULL
-    )""",
-    "ALTER TABLE runs ADD COLUMN runs_at_once INTEGER",
-)
-
-_SCHEMA_V4: tuple[str, ...] = (
-    """CREATE TABLE latency (
-        run_id TEXT NOT NULL REFERENCES runs (run_id),
-        phase TEXT NOT NULL CHECK (phase IN ('prefill', 'decode')),
-        batch INTEGER NOT NULL CHECK (batch > 0),
-        requested INTEGER NOT NULL CHECK (requested > 0),  -- the suite's prompt (prefill) or context
-        length INTEGER NOT NULL CHECK (length > 0),  -- measured at: below requested when the model's
-                                                     -- max_seq_len had no room for it
-        max_seq_len INTEGER,        -- the model's
-        steps INTEGER NOT NULL CHECK (steps > 0),    -- timed repetitions (prefill) / decode steps
-        ms REAL NOT NULL,           -- median: one prefill call / one decode step of the batch
-        timer TEXT NOT NULL CHECK (timer IN ('cuda-events', 'wall-clock')),
-        device TEXT NOT NULL,       -- archlab.io.device.device_name
-        dtype TEXT NOT NULL,        -- weights and KV cache
-        mfu REAL,                   -- prefill, against the device's peak (None: unknown peak)
-        roofline_ms REAL,           -- decode: bytes per step / measured copy bandwidth
-        bandwidth REAL,             -- measured device copy bandwidth, bytes/s
-        session TEXT NOT NULL,      -- one measuring pass: ratios within one are from the same run
-        code_revision TEXT,
-        measured_at REAL NOT NULL,
-        PRIMARY KEY (run_id, phase, batch, requested)
-    )""",
-    """CREATE TRIGGER latency_of_finished_runs_only BEFORE INSERT ON latency
-       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
-       BEGIN SELECT RAISE(ABORT, 'archlab: latency results belong to a finished run'); END""",
-    """CREATE TRIGGER latency_no_update BEFORE UPDATE ON latency
-       BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never overwritten'); END""",
-    """CREATE TRIGGER latency_no_delete BEFORE DELETE ON latency
-       BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never deleted'); END""",
-)
-
-_SCHEMA_V5: tuple[str, ...] = (
-    """CREATE TABLE heldout (
-        run_id TEXT NOT NULL REFERENCES runs (run_id),
-        corpus TEXT NOT NULL,       -- the suite's eval_data name
-        path TEXT NOT NULL,         -- the prepared data directory, as the suite named it
-        tokenizer_sha TEXT NOT NULL, -- sha256 of its tokenizer.json (= the run's)
-        loss REAL NOT NULL,         -- mean NLL, nats/token, on its validation split
-        bpb REAL NOT NULL,
-        batches INTEGER NOT NULL CHECK (batches > 0),
-        evaluated_at REAL NOT NULL,
-        PRIMARY KEY (run_id, corpus)
-    )""",
-    """CREATE TRIGGER heldout_of_finished_runs_only BEFORE INSERT ON heldout
-       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
-       BEGIN SELECT RAISE(ABORT, 'archlab: held-out results belong to a finished run'); END""",
-    """CREATE TRIGGER heldout_no_update BEFORE UPDATE ON heldout
-       BEGIN SELECT RAISE(ABORT, 'archlab: a held-out result is never overwritten'); END""",
-    """CREATE TRIGGER heldout_no_delete BEFORE DELETE ON heldout
-       BEGIN SELECT RAISE(ABORT, 'archlab: a held-out result is never deleted'); END""",
-)
-
-# _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5)
-assert len(_MIGRATIONS) == SCHEMA_VERSION
-
-
-class TrainOutcome(Protocol):
-    """What the lab needs from ``archlab.train.trainer.TrainResult``."""
-
-    final_val_loss: float
-    final_val_bpb: float
-    val_curve: list[dict[str, Any]]
-    train_curve: list[dict[str, Any]]
-    tokens: int
-    steps: int
-    tokens_per_s: float
-    wall_s: float
-    device: str
-    mfu: float | None
-    params: int
-
-
-@dataclass(frozen=True)
-class RunStart:
-    """Everything known about a run before it trains (from the suite plan)."""
-
-    run_id: str
-    suite: str
-    label: str
-    role: Literal["baseline", "variant"]
-    init_seed: int
-    data_seed: int
-    config: dict[str, Any]
-    config_hash: str
-    code_revision: str
-    planned_tokens: int
-    planned_steps: int
-    costs: dict[str, float]
-    cost_context: int
-
-
-@dataclass(frozen=True)
-class RunRow:
-    """One row of the ``runs`` table, curves decoded."""
-
-    run_id: str
-    suite: str
-    label: str
-    role: str
-    init_seed: int
-    data_seed: int
-    status: Status
-    config: dict[str, Any]
-    config_hash: str
-    code_revision: str
-    planned_tokens: int
-    planned_steps: int
-    attempts: int
-    started_at: float
-    finished_at: float | None
-    costs: dict[str, float | None]
-    cost_context: int
-    tokens: int | None
-    steps: int | None
-    final_val_loss: float | None
-    final_val_bpb: float | None
-    val_curve: list[dict[str, Any]]
-    train_curve: list[dict[str, Any]]
-    params_model: int | None
-    tokens_per_s: float | None
-    mfu: float | None
-    wall_s: float | None
-    device: str | None
-    error: str | None
-    runs_at_once: int | None = None  # most runs this host trained at once meanwhile (None: not known)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A run (or its downstream evaluation) held by a process."""
-
-    key: str
-    owner: Owner
-    claimed_at: float
-    heartbeat_at: float
-
-    def alive(self, me: Owner | None = None, now: float | None = None) -> bool:
-        return holder_alive(self.owner, self.heartbeat_at, me=me, now=now)
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    """``claimed``: this process holds it now (``taken_from``: the gone process it took it over
-    from, if any); ``busy``: a live process holds it (``holder``); ``done``: the run is already
-    finished or diverged."""
-
-    state: Literal["claimed", "busy", "done"]
-    holder: Owner | None = None
-    taken_from: Owner | None = None
-
-
-def downstream_key(run_id: str) -> str:
-    """The claim key of a run's downstream evaluation."""
-    return f"downstream:{run_id}"
-
-
-# The claim key of a suite's latency measurements: one process measures at a time (two measuring
-# at once on one host would distort each other's timings). A run id never holds a colon (labels
-# are letters, digits and _ . + -), so keys with one are never runs.
-LATENCY_KEY = "latency:suite"
-
-
-def is_run_key(key: str) -> bool:
-    """Whether a claim key is a run being trained (not an evaluation or a measurement)."""
-    return ":" not in key
-
-
-def display_status(row: RunRow, live: set[str] | dict[str, Any]) -> str:
-    """The status a person should read: a ``running`` row whose claim is not live (``live``: the
-    keys of live claims, ``ResultStore.live_claims``) is ``interrupted``: nothing trains it."""
-    if row.status != "running":
-        return row.status
-    return "running" if row.run_id in live else "interrupted"
-
-
-@dataclass(frozen=True)
-class DownstreamRow:
-    """One zero-shot evaluation of one finished run on one task."""
-
-    run_id: str
-    task: str
-    limit: int | None  # the item limit asked for (None: every item)
-    n: int  # items evaluated
-    acc: float
-    acc_stderr: float
-    acc_norm: float | None
-    acc_norm_stderr: float | None
-    ppl: float | None
-    source: str | None
-    evaluated_at: float
-
-    @property
-    def metric(self) -> str:
-        """The headline metric: acc_norm for multiple choice, acc for LAMBADA."""
-        return "acc" if self.acc_norm is None else "acc_norm"
-
-    @property
-    def value(self) -> float:
-        return self.acc if self.acc_norm is None else self.acc_norm
-
-    @property
-    def stderr(self) -> float:
-        """Binomial standard error of ``value`` over the task's items."""
-        return self.acc_stderr if self.acc_norm_stderr is None else self.acc_norm_stderr
-
-
-@dataclass(frozen=True)
-class LatencyRow:
-    """One measured inference latency of one finished run (``archlab.infer.bench``)."""
-
-    run_id: str
-    phase: Literal["prefill", "decode"]
-    batch: int
-    requested: int  # the suite's prompt length (prefill) or context (decode)
-    length: int  # what was measured: ``requested``, or the most the model's max_seq_len had room for
-    max_seq_len: int | None
-    steps: int  # timed repetitions (prefill) or decode steps (the median is over these)
-    ms: float  # median ms of one prefill call / one decode step (one token for each sequence)
-    timer: Literal["cuda-events", "wall-clock"]
-    device: str
-    dtype: str
-    mfu: float | None
-    roofline_ms: float | None
-    bandwidth: float | None
-    session: str
-    code_revision: str | None
-    measured_at: float
-
-    @property
-    def shape(self) -> tuple[str, int, int]:
-        """What the suite asked for: (phase, batch, requested length)."""
-        return (self.phase, self.batch, self.requested)
-
-
-@dataclass(frozen=True)
-class HeldoutRow:
-    """One finished run's loss on one extra evaluation corpus (a suite's ``eval_data``)."""
-
-    run_id: str
-    corpus: str
-    path: str
-    tokenizer_sha: str
-    loss: float
-    bpb: float
-    batches: int
-    evaluated_at: float
 
 
 def _opt(x: float | None) -> float | None:

@@ -1,0 +1,208 @@
+"""The report's prose: the overview facts at its top (suite, budget, seeds, noise floor,
+progress, verdict rule, minimum detectable effect, compute, devices, latency, downstream) and the
+notes under its tables (how the method, costs, measured latency, downstream, held-out and compute
+columns were obtained and should be read).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from archlab.lab.fmt import device_text, duration, latency_device_text, plural
+from archlab.lab.report_data import ReportData
+from archlab.lab.report_tables import compute_hours, paired_design
+from archlab.lab.stats import POWER, mde_unpaired
+from archlab.lab.stoprule import INVALID
+from archlab.lab.store import RunRow
+
+
+def latency_fact(data: ReportData) -> str:
+    """The overview line on measured latency: where it was timed, or why there is none."""
+    m = data.measure
+    if not data.measured:
+        why = {"never": "costs.measure is never",
+               "auto": "costs.measure auto measures runs trained on CUDA; always also times CPU runs"}
+        return f"Measured latency: none ({why.get(m['measure'], 'no finished run measured yet')})"
+    rows = [r for s in data.summaries for r in s.latency.values()]
+    where = sorted({latency_device_text(r) for r in rows})
+    sessions = len({r.session for r in rows})
+    return (f"Measured latency: {'; '.join(where)}; final checkpoint of one run per variant, "
+            f"{plural(sessions, 'measuring session')}")
+
+
+def latency_note(data: ReportData) -> str:
+    """How the measured columns were taken, and every shape measured smaller than asked."""
+    m = data.measure
+    ctx = data.plan["runs"][0]["cost_context"]
+    rows = [r for s in data.summaries for r in s.latency.values()]
+    cuda = any(r.timer == "cuda-events" for r in rows)
+    text = (f"Measured latency: the inference engine of archlab serve (archlab.infer.bench) on the final "
+            f"checkpoint of one run per variant (its first finished seed: latency does not depend on the seed), "
+            f"timed after training in the suite's own process, one variant after another while no other archlab "
+            f"run trained on the host. Prefill ms: a {m['prompt']}-token prompt at batch 1 until its first "
+            f"token is chosen. Decode ms/token bN: one decode step of N sequences (one new token each) with "
+            f"{ctx} tokens in the cache. Medians "
+            + ("of CUDA-event timings after warm-up" if cuda else "")
+            + (" and " if cuda and not all(r.timer == "cuda-events" for r in rows) else "")
+            + ("of CPU wall-clock timings after warm-up (not comparable with GPU figures)"
+               if any(r.timer == "wall-clock" for r in rows) else "")
+            + ". In round brackets: the variant over the baseline at the same shape, device and dtype "
+              "(‡: measured in another session than the baseline's, so not in the same run).")
+    fitted: dict[str, list[str]] = {}
+    for s in data.summaries:
+        for r in s.latency.values():
+            if r.length != r.requested:
+                what = "prompt" if r.phase == "prefill" else f"decode b{r.batch} context"
+                fit = f"{what} {r.length} of {r.requested} (max_seq_len {r.max_seq_len})"
+                fitted.setdefault(fit, []).append(s.label)
+    if fitted:
+        text += (" Measured at a smaller shape than asked, the most the model has room for (in square "
+                 "brackets): " + "; ".join(f"{fit}: {', '.join(labels)}" for fit, labels in fitted.items()) + ".")
+    return text
+
+
+def overview(data: ReportData) -> list[str]:
+    """Short facts about the suite: budget, seeds, noise floor, progress, provenance."""
+    s = data.suite
+    done = sum(len(x.finished) for x in data.summaries)
+    planned = sum(x.planned for x in data.summaries)
+    running = sum(x.running for x in data.summaries)
+    interrupted = sum(x.interrupted for x in data.summaries)
+    diverged = sum(x.diverged for x in data.summaries)
+    revisions = sorted({r.code_revision for r in data.rows})
+    floor = (f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)"
+             if data.floor is not None else "not available (needs at least 2 finished baseline seeds)")
+    seeds = s["seeds"]
+    return [
+        f"Suite: {s['name']} ({s['origin']}), preset {s['preset'] or 'none'}"
+        + (f", overrides: {' '.join(data.plan['overrides'])}" if data.plan["overrides"] else ""),
+        f"Budget: {s['budget']['tokens']:,} tokens, {s['budget']['match']} matching"
+        + "".join(f"; {label}: {m}" for label, m in sorted(s["budget"].get("variant_match", {}).items())),
+        f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
+        + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run")
+        + ("; variants paired with the baseline by seed" if all(paired_design(data, x.label)
+                                                               for x in data.summaries[1:]) and data.summaries[1:]
+           else ""),
+        f"Runs: {done} of {planned} finished" + (f", {running} running" if running else "")
+        + (f", {interrupted} interrupted (the process training {'it' if interrupted == 1 else 'them'} "
+           "is gone; compare resumes from the last checkpoint)" if interrupted else "")
+        + (f", {diverged} diverged" if diverged else ""),
+        f"Noise floor: {floor}" + ("" if seeds["data"] == "init" or data.floor is None else
+                                   "; init seeds only (one data order for every run: data-order noise "
+                                   "is not in it, seeds.data: init puts it there)"),
+        f"Final loss = mean of the last {plural(s['eval']['last_k'], 'evaluation')}; {verdict_rule(data)}",
+        mde_fact(data),
+        compute_fact(data),
+    ] + [f"Stop rule broken: {c['what']} after {plural(c['finished'], 'run')} had finished ({c['at']}): "
+         f"{INVALID}" for c in data.seed_changes] + [
+        f"Code revision: {', '.join(revisions) or '-'}",
+        devices_fact(data.rows),
+        latency_fact(data),
+    ] + ([_downstream_fact(data)] if data.tasks else [])
+
+
+def verdict_rule(data: ReportData) -> str:
+    """The rule a verdict follows, in one sentence."""
+    other = "Holm" if data.adjust == "bonferroni" else "Bonferroni"
+    name = "Bonferroni" if data.adjust == "bonferroni" else "Holm"
+    return (f"verdict: the paired t-test when a variant's finished seeds pair completely with the "
+            f"baseline's (at least 2 pairs), else Welch's; {name}-adjusted p over "
+            f"{plural(data.n_tests, 'variant')} < alpha = {data.alpha} decides ({other} shown too)")
+
+
+def mde_fact(data: ReportData) -> str:
+    """The smallest difference the suite's seeds can detect (unpaired, from the noise floor)."""
+    if data.floor is None:
+        return "Minimum detectable effect: not available (needs the noise floor)"
+    n_var = sorted({x.planned for x in data.summaries[1:]}) or [0]
+    parts = []
+    for nv in n_var:
+        mde = mde_unpaired(data.floor, data.baseline.planned, nv, data.alpha / data.n_tests)
+        if mde is not None:
+            parts.append(f"{mde:.4f} ({mde / data.floor:.1f} noise floors) with {data.baseline.planned} "
+                         f"baseline and {nv} variant seeds")
+    return (f"Minimum detectable effect (power {POWER:g}, two-sided alpha / {data.n_tests}, unpaired, from "
+            f"the noise floor): " + ("; ".join(parts) or "-")
+            + "; the MDE column gives each variant's, from its deciding test")
+
+
+def compute_fact(data: ReportData) -> str:
+    """Suite wall time (summed over runs, and first start to last finish) and GPU-hours."""
+    wall, hours = compute_hours(data.rows)
+    ended = [r.finished_at for r in data.rows if r.finished_at is not None]
+    span = (f"; {duration(max(ended) - min(r.started_at for r in data.rows))} from the first start to the "
+            "last finish" if ended else "")
+    return f"Compute: {duration(wall)} of run wall time, {hours:.3f} GPU-hours{span}"
+
+
+def devices_fact(rows: list[RunRow]) -> str:
+    """What trained the runs: each distinct device with its number of runs."""
+    counts = Counter(device_text(r.device) for r in rows if r.device)
+    if not counts:
+        return "Device: -"
+    parts = [f"{d} ({plural(n, 'run')})" for d, n in sorted(counts.items())]
+    return f"Device{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}"
+
+
+def _downstream_fact(data: ReportData) -> str:
+    limit = data.suite["eval"].get("limit")
+    finished = sum(len(x.finished) for x in data.summaries)
+    evaluated = len({d.run_id for x in data.summaries for rows in x.downstream.values() for d in rows})
+    return (f"Downstream (zero-shot, final checkpoints): {', '.join(data.tasks)}; "
+            + (f"first {limit} items per task" if limit else "every item")
+            + f"; {evaluated} of {finished} finished runs evaluated")
+
+
+METHOD_NOTE = (
+    "Δ = mean(variant) - mean(baseline) of the final validation loss (negative is better); "
+    "z = Δ / noise floor. Runs with the same init and data seeds are pairs. p paired: the paired "
+    "t-test on the per-pair differences (n = pairs); p unpaired: Welch's t-test when both sides have "
+    "at least 2 seeds, with a single seed on one side the pooled two-sample t-test (the "
+    "prediction-interval test of one observation against a sample, assuming equal seed noise). "
+    "Test: the one that decides, paired when the variant's finished seeds and the baseline's pair "
+    "completely (at least 2 pairs), else unpaired; the 95% CI is the deciding test's and is not "
+    "adjusted. p Bonferroni = min(1, p × number of variants); p Holm: Holm's step-down adjustment "
+    "(a variant without a p yet counts as the largest). The suite's eval.adjust names the one that "
+    "decides: a variant is better or worse only if it is below alpha. MDE: the smallest true "
+    "difference the deciding test detects with power 0.8 at two-sided alpha / number of variants, "
+    "for the planned seeds (unpaired: from the noise floor; paired: from the sd of the variant's "
+    "differences). Seeds are fixed in the suite file before the runs; a plan changed after results "
+    "voids the verdicts (see the overview)."
+)
+
+
+COSTS_NOTE = (
+    "Train tokens/s: end-to-end training throughput of one run (its tokens over its wall time, "
+    "evaluations and checkpoints included), median over the variant's finished seeds. It depends "
+    "on what else the machine was doing: runs at once is the most runs this host was training at "
+    "the same time while a run trained (compare --jobs, other compares sharing the host; sampled, "
+    "- where not recorded), so rates measured under a different load or on another device (see "
+    "the device line) are not comparable. The FLOP and byte columns are computed, not measured."
+)
+
+
+DOWNSTREAM_NOTE = (
+    "Zero-shot accuracy of each run's final checkpoint: acc_norm (the choice with the highest "
+    "log-likelihood per byte) for multiple-choice tasks, acc (last word greedily right) for LAMBADA. "
+    "Mean over seeds ± its standard error over seeds (sample standard deviation / √seeds); † a "
+    "single seed: the binomial standard error over the task's items instead. The results table "
+    "gives the variant's difference against the baseline's mean in brackets. No significance test "
+    "is made on these; the verdict rests on the validation loss."
+)
+
+
+HELDOUT_NOTE = (
+    "Validation loss (nats/token) of each run's final checkpoint on the validation split of each "
+    "extra corpus named in the suite's eval_data (prepared with the suite's tokenizer), next to the "
+    "in-distribution loss; mean over seeds, a variant's difference against the baseline in brackets. "
+    "No significance test is made on these."
+)
+
+
+COMPUTE_NOTE = (
+    "Wall time: each run's training wall time as the trainer reports it, summed. GPU-hours: that "
+    "wall time for runs on a GPU (one device per run; runs that shared a GPU, see runs at once, are "
+    "each counted in full, so this is an upper bound); CPU runs count none. A verdict's cost is the "
+    "variant's runs plus the baseline's."
+)
+
