@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from archlab.argtypes import config_args, int_at_least, positive_int
-from archlab.errors import ArchlabError, DataError, UsageError, is_out_of_memory
+from archlab.errors import ArchlabError, is_out_of_memory
 
 
 class _Parser(argparse.ArgumentParser):

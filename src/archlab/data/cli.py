@@ -267,7 +267,6 @@ def print_summary(console: Console, path: Path, manifest: dict[str, Any]) -> Non
     console.print(splits)
 
     tok = manifest["tokenizer"]
-    rule = manifest["split"]
     info = Table(show_header=False, title="tokenizer and split", title_justify="left")
     info.add_column("key")
     info.add_column("value", overflow="fold")
