@@ -131,7 +131,9 @@ def cmd_info(args) -> int:
                         "KV bytes"):
                 t.add_column(col, justify="right")
             for r in layer_rows:
-                t.add_row(str(r["layer"]), str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
+                # a layer the schedule runs other than once says so ("3 x2", "3 x0")
+                label = str(r["layer"]) + (f" x{r['visits']}" if r["visits"] != 1 else "")
+                t.add_row(label, str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
                           f"{r['params']:,}", f"{r['prefill_flops_per_token']:,.0f}",
                           f"{r['decode_flops_per_token']:,.0f}", f"{r['kv_bytes_per_token']:,}")
             console.print(t)

@@ -47,7 +47,7 @@ class SquaredReLU(nn.Module):
         init.linear(self.down.weight, role="out")
 
     def forward(self, x, ctx):
-        u = ctx.rows.tap(self.layer, "u", torch.relu(self.up(x)).square())
+        u = ctx.rows.tap(ctx.visit, "u", torch.relu(self.up(x)).square())
         return self.down(u)
 
     @classmethod
@@ -156,36 +156,3 @@ def test_config_checks_import_no_torch():
             "'model.residual.kind=attnres']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
-
-
-def test_a_schedule_that_repeats_or_skips_a_layer_is_one_line():
-    """The core keeps one KV-cache slot and one set of costs per layer: a looping schedule decoded
-    from overwritten cache entries and was counted once per layer (cached != full forward)."""
-
-    class Visits:
-        def __init__(self, cfg):
-            self.cfg = cfg
-
-        def visits(self):
-            return {"looped": [0, 1, 0, 1], "skipping": [1], "reversed": [1, 0]}[self.cfg.schedule]
-
-    def cfg(kind):
-        return make_config("tiny", overrides=[f"model.schedule={kind}", "model.vocab_size=97", "model.d_model=32",
-                                              "model.n_layers=2", "model.max_seq_len=64", "train.seq_len=32"])
-
-    for kind in ("looped", "skipping", "reversed"):
-        registry.register(registry.Variant("schedule", kind, Visits))
-    try:
-        for kind, visits in (("looped", "[0, 1, 0, 1]"), ("skipping", "[1]")):
-            with pytest.raises(ConfigError) as e:
-                cfg(kind)
-            assert str(e.value) == (f"config error: model.schedule: '{kind}' visits layers {visits}; the core runs "
-                                    "each of the 2 layers exactly once (repeating or skipping a layer needs "
-                                    "per-visit caches, sites and costs)")
-        torch.manual_seed(0)
-        model = build_model(cfg("reversed").model).eval()  # a reordering is fine
-        seqs = [torch.randint(1, 97, (n,)).tolist() for n in (9, 5)]
-        assert_matches_full_forward(model, seqs, prompt_lens=[3, 2])
-    finally:
-        for kind in ("looped", "skipping", "reversed"):
-            registry.unregister("schedule", kind)

@@ -102,7 +102,7 @@ def summarize(model: nn.Module, rec: RoutingRecorder) -> dict[str, Any]:
             top = w.argmax(dim=0).tolist()
             entry = {
                 "site": site,
-                "label": site_label(site, res.n_layers),
+                "label": site_label(site, res.n_visits),
                 "n_sources": w.shape[0],
                 "sources": r.labels,
                 "weights": w.tolist(),  # [N][H]: mean over positions

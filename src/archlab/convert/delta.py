@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from archlab.model.config import ModelConfig
+from archlab.model.core.spec import n_visits
 from archlab.errors import CheckpointError, ConfigError
 
 RESIDUAL_PREFIX = "residual."
@@ -107,7 +108,7 @@ def convert_checkpoint(ckpt: str | Path, out: str | Path, heads: int = 4, groups
         "input": str(ckpt_dir),
         "output": str(out),
         "heads": heads,
-        "groups": groups or cfg.n_layers,
+        "groups": groups or n_visits(cfg),  # one group per visit (per layer when sequential)
         "new_parameters": sum(new_sd[k].numel() for k in added),
         "new_tensors": len(added),
         "max_abs_logit_diff": diff,

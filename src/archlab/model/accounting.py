@@ -16,6 +16,12 @@ including MFU and iso-FLOP budgets):
 * Decode bytes per step: every weight the step uses is read once (embedding tables only one row
   per token), plus the whole KV cache at that context, plus the new keys/values written.
 
+Layer schedules (the ``schedule`` slot) that loop or skip: a layer's parameters are counted once,
+but its FLOPs, its KV elements and the weights a decode step reads are counted once per *visit*
+(``Part.runs``): a looped layer runs (and, at these model sizes, is read from memory) again, and a
+skipped layer is neither run nor read, nor counted as active. The residual stream states its cost
+over the visits itself (its sites are per visit).
+
 Follower rows (the decode branch's) add rows, not weights: prefill is the primary's alone,
 decode and training run ``1 + followers`` rows; followers compute no keys/values and read no
 extra weights but their embedding row and the coupling vectors.
@@ -30,7 +36,7 @@ from archlab.model import registry
 from archlab.model.config import ModelConfig
 from archlab.model.core.cost import Cost
 from archlab.model.core.layers import Attention
-from archlab.model.core.spec import base_width, layer_specs, layer_visits
+from archlab.model.core.spec import base_width, layer_specs, layer_visits, visit_specs
 
 
 @dataclass
@@ -38,24 +44,30 @@ class Part:
     name: str  # "embedding", "rows", "residual", "L3.attn", "L3.ffn", "L3.norms", "final_norm", "head"
     layer: int | None
     cost: Cost
+    #: how many times one forward pass runs it: a layer's part once per visit of the schedule
+    #: (2 for a layer a loop repeats, 0 for a skipped one); scales FLOPs, KV and decode reads
+    runs: int = 1
 
 
 def parts(cfg: ModelConfig) -> list[Part]:
     """Every component of ``cfg``'s model with its cost."""
     V = cfg.vocab_size
     specs = layer_specs(cfg)
+    visits = layer_visits(cfg)
     d = base_width(cfg)  # the embedding's width
-    final = specs[layer_visits(cfg)[-1]].d  # the unembedding's
+    final = specs[visits[-1]].d  # the unembedding's
     norm = cfg.variant("norm").load()
     ffn = cfg.variant("ffn").load()
     out = [Part("embedding", None, Cost(params=V * d, embedding=V * d))]
     out.append(Part("rows", None, cfg.variant("rows").load().cost(cfg, specs)))
-    out.append(Part("residual", None, cfg.variant("residual").load().cost(cfg, specs)))
+    # the residual stream has two sites per visit: it is costed over the visits' specs, once
+    out.append(Part("residual", None, cfg.variant("residual").load().cost(cfg, visit_specs(cfg, specs))))
     for s in specs:
         norms = Cost(params=sum(norm.cost(cfg, site, s.d).params for site in ("attn_in", "attn_out", "mlp_in", "mlp_out")))
-        out += [Part(f"L{s.layer}.attn", s.layer, Attention.cost(cfg, s)),
-                Part(f"L{s.layer}.ffn", s.layer, ffn.cost(cfg, s)),
-                Part(f"L{s.layer}.norms", s.layer, norms)]
+        runs = visits.count(s.layer)
+        out += [Part(f"L{s.layer}.attn", s.layer, Attention.cost(cfg, s), runs),
+                Part(f"L{s.layer}.ffn", s.layer, ffn.cost(cfg, s), runs),
+                Part(f"L{s.layer}.norms", s.layer, norms, runs)]
     out.append(Part("final_norm", None, norm.cost(cfg, "final", final)))
     head = Cost(params=0 if cfg.tie_embeddings else V * final, flops=2 * final * V,
                 # a tied table is read whole as the unembedding
@@ -70,19 +82,21 @@ def followers(cfg: ModelConfig) -> int:
 
 
 def param_counts(cfg: ModelConfig, ps: list[Part] | None = None) -> dict[str, int]:
-    cs = [p.cost for p in (ps or parts(cfg))]
+    ps = ps or parts(cfg)
+    cs = [p.cost for p in ps]
     return {
         "params_total": sum(c.params for c in cs),
         "params_embedding": sum(c.embedding for c in cs),
-        # What a primary row touches: every weight but unused experts and follower-only tensors.
-        "params_active": sum(c.active_params - c.follower_only for c in cs),
+        # What a primary row touches: every weight but unused experts, follower-only tensors and
+        # layers the schedule skips (a looped layer's weights count once).
+        "params_active": sum(p.cost.active_params - p.cost.follower_only for p in ps if p.runs),
         "params_branch_extra": sum(c.follower_only for c in cs),
     }
 
 
 # ``ps``: the config's parts when the caller has them already (``costs`` lists them once).
 def _row_flops(ps: list[Part], keys: float, follower: bool) -> float:
-    return sum(p.cost.row_flops(keys, follower) for p in ps)
+    return sum(p.runs * p.cost.row_flops(keys, follower) for p in ps)
 
 
 def _all_rows_flops(cfg: ModelConfig, keys: float, ps: list[Part] | None = None) -> float:
@@ -110,32 +124,34 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2, ps: list[Part] | None = None) -> int:
-    return sum(p.cost.kv_elems for p in (ps or parts(cfg))) * dtype_bytes
+    return sum(p.runs * p.cost.kv_elems for p in (ps or parts(cfg))) * dtype_bytes
 
 
 def decode_bytes_per_step(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2,
                           ps: list[Part] | None = None) -> float:
     """Bytes read (and KV written) by one decode step of ``batch`` sequences at ``context``."""
     ps = ps or parts(cfg)
-    weights = sum(p.cost.params_read_by_decode(batch) for p in ps)
+    weights = sum(p.runs * p.cost.params_read_by_decode(batch) for p in ps)  # per visit
     embed_rows = batch * (1 + followers(cfg)) * base_width(cfg)
     kv = kv_bytes_per_token(cfg, dtype_bytes, ps)
     return (weights + embed_rows) * dtype_bytes + batch * context * kv + batch * kv
 
 
 def per_layer(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> list[dict[str, Any]]:
-    """Per layer: width, heads, parameters, prefill/decode FLOPs per token and KV bytes per token."""
+    """Per layer: width, heads, parameters, visits (runs per forward pass), and the prefill/decode
+    FLOPs per token and KV bytes per token of all its visits."""
     ps = parts(cfg)
     rows = []
     nf = followers(cfg)
     for s in layer_specs(cfg):
-        layer = [p.cost for p in ps if p.layer == s.layer]
-        prefill = sum(c.row_flops((context + 1) / 2) for c in layer)
-        decode = sum(c.row_flops(context) + nf * c.row_flops(context, True) for c in layer)
+        layer = [p for p in ps if p.layer == s.layer]
+        prefill = sum(p.runs * p.cost.row_flops((context + 1) / 2) for p in layer)
+        decode = sum(p.runs * (p.cost.row_flops(context) + nf * p.cost.row_flops(context, True)) for p in layer)
         rows.append({"layer": s.layer, "width": s.d, "heads": s.n_heads, "kv_heads": s.n_kv_heads,
-                     "head_dim": s.head_dim, "params": sum(c.params for c in layer),
+                     "head_dim": s.head_dim, "params": sum(p.cost.params for p in layer),
+                     "visits": layer[0].runs,
                      "prefill_flops_per_token": prefill, "decode_flops_per_token": decode,
-                     "kv_bytes_per_token": sum(c.kv_elems for c in layer) * dtype_bytes})
+                     "kv_bytes_per_token": sum(p.runs * p.cost.kv_elems for p in layer) * dtype_bytes})
     return rows
 
 

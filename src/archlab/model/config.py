@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from archlab.model import registry
-from archlab.model.core.spec import layer_visits
+from archlab.model.core.spec import base_width, layer_specs, layer_visits
 from archlab.typed import CONFIG, build, check, round_up
 
 
@@ -157,17 +157,24 @@ class ModelConfig:
         check(self.max_seq_len > 0, "model.max_seq_len", "must be positive")
         check(self.norm_eps > 0 and math.isfinite(self.norm_eps), "model.norm_eps", "must be positive")
         chosen = registry.chosen(self)  # every kind registered, no excluded pair
-        # The core keeps one KV-cache slot, two residual sites, the rows' taps and the costs per
-        # *layer*: a schedule may reorder the layers, but one that repeats (loops) or skips
-        # (layer dropout, early exit) a layer would decode from the wrong cache and be miscounted.
+        # The core keys the KV cache, the residual sites, the rows' taps and the per-run costs by
+        # visit, so a schedule may reorder, repeat (loop) or skip layers; it must name real layers.
         visits = layer_visits(self)
-        check(sorted(visits) == list(range(self.n_layers)), "model.schedule",
-              f"{self.schedule!r} visits layers {visits}; the core runs each of the {self.n_layers} layers "
-              "exactly once (repeating or skipping a layer needs per-visit caches, sites and costs)")
+        check(len(visits) > 0 and all(isinstance(v, int) and 0 <= v < self.n_layers for v in visits),
+              "model.schedule", f"{self.schedule!r} visits layers {visits}; a schedule needs at least one "
+              f"visit, each a layer index in 0..{self.n_layers - 1}")
         seen = set()
         for v in chosen.values():
             name = v.section_name
             if name is not None and name not in seen and hasattr(self._sections[name], "validate"):
                 seen.add(name)
                 self._sections[name].validate(self)
+        if len(set(visits)) < len(visits):
+            # The width kinds' resize (truncate; refill grown coordinates from the last wider
+            # state) is written for one pass over the layers; what a loop's second shrink-and-grow
+            # should refill from is a modelling choice not made here, so the pair is refused.
+            widths = {s.d for s in layer_specs(self)} | {base_width(self)}
+            check(len(widths) == 1, "model.schedule",
+                  f"{self.schedule!r} runs a layer more than once, which cannot be combined with model.width "
+                  f"{self.width!r} (its widths {sorted(widths)} vary across the layers a loop would repeat)")
         return self

@@ -13,7 +13,7 @@ norm        ``model.norm``        rmsnorm          the norm (gain) module at eac
 init        ``model.init``        normal           how each weight is drawn
 ffn         ``model.ffn``         swiglu           the feed-forward sublayer
 residual    ``model.residual.kind``  standard      how sublayer inputs are formed from outputs
-schedule    ``model.schedule``    sequential       which layers run, in which order
+schedule    ``model.schedule``    sequential       which layers run, in which order (loops, skips)
 rows        (the variant)         primary          extra rows per token and the readout
 ==========  ====================  ===============  ==========================================
 

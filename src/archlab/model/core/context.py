@@ -6,10 +6,14 @@ may add *follower* rows that share every weight but compute no keys/values of th
 describes them with a ``Pass``, which the few components that care consult:
 
 * attention asks ``lead(n)``, how many leading rows compute keys/values (the rest only query);
-* coupling sites call ``tap(layer, name, x)`` (``q``, ``u``, ``m``), which lets followers read the
-  primary's activation at the same layer and position;
-* values that followers reuse instead of computing go through ``share(layer, name, x)``
+* coupling sites call ``tap(ctx.visit, name, x)`` (``q``, ``u``, ``m``), which lets followers read
+  the primary's activation at the same visit and position;
+* values that followers reuse instead of computing go through ``share(ctx.visit, name, x)``
   (``kv``: the keys/values, ``experts``: MoE router replay).
+
+Taps, shares, the KV cache and the residual sites are keyed by *visit* (``Context.visit``: the
+position in the layer schedule), not by layer: a schedule that runs a layer twice (a loop) runs it
+on different hidden states, whose keys/values and activations must not overwrite each other.
 
 The plain pass answers "every row is primary" and returns its inputs unchanged, so a component
 written for the baseline works with the decode branch without knowing it exists.
@@ -34,10 +38,10 @@ class Pass:
         """How many leading rows of an ``rows``-row activation are primary rows."""
         return rows
 
-    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
+    def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
         return x
 
-    def share(self, layer: int, name: str, value: Any) -> Any:
+    def share(self, visit: int, name: str, value: Any) -> Any:
         return value
 
 
@@ -56,6 +60,9 @@ class Context:
 
     ``positions`` [B, T] are each token's position in its sequence, which is also its cache slot;
     ``cache_rows`` [B] the cache rows (sequences) the batch's rows use (None: rows ``0..B-1``).
+    ``visit``: which entry of the layer schedule is running (``Transformer.run`` gives each visit
+    its own copy of the run's context, so a recompute under activation checkpointing, which calls
+    a block again after the loop has moved on, still sees its own visit).
     """
 
     rope: Any  # position tables from the position slot (head_dim -> (cos, sin) for RoPE)
@@ -64,6 +71,7 @@ class Context:
     cache_rows: Tensor | None = None
     mask: Tensor | None = None
     rows: Pass | None = None  # None: the plain pass
+    visit: int = 0  # index into the layer schedule (``Transformer.visits``); keys cache, taps, shares
     aux: "AuxLosses" = field(default_factory=lambda: AuxLosses())  # training-only losses (MoE balance)
 
     def __post_init__(self) -> None:

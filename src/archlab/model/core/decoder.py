@@ -1,8 +1,13 @@
 """The one model: a pre-norm Llama-style decoder whose variants fill slots, not copies of it.
 
     x = E1[idx]
-    for each layer:  x = x + Attn(Norm(x));  x = x + FFN(Norm(x))      (the residual stream)
+    for each visit:  x = x + Attn(Norm(x));  x = x + FFN(Norm(x))      (the residual stream)
     logits = W_out Norm(x)
+
+A *visit* is one entry of the layer schedule (the ``schedule`` slot): usually every layer once, in
+order, but a schedule may run a layer again (a loop) or leave one out. What differs between two
+runs of the same weights is keyed by visit: the KV cache entry, the residual sites ``2v`` and
+``2v + 1``, the rows' taps and the per-run costs; parameters belong to the layer.
 
 Every piece is the kind a config chooses for its slot (``archlab.model.registry``): the layer
 shapes (``heads``, ``width``), the positions, the norms, the init, the FFN, the residual stream,
@@ -16,6 +21,7 @@ every decode step); both return the readout's log-probabilities of the next toke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +31,7 @@ from archlab.model import registry
 from archlab.model.config import ModelConfig
 from archlab.model.core.context import Context
 from archlab.model.core.layers import Attention, KVCache
-from archlab.model.core.spec import LayerSpec, base_width, layer_specs, layer_visits
+from archlab.model.core.spec import LayerSpec, base_width, layer_specs, layer_visits, visit_specs
 
 
 @dataclass
@@ -73,7 +79,7 @@ class Block(nn.Module):
         out = self.mlp(self.mlp_norm(h), ctx)
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm(out)
-        return ctx.rows.tap(self.layer, "m", out)
+        return ctx.rows.tap(ctx.visit, "m", out)
 
 
 class Transformer(nn.Module):
@@ -84,6 +90,7 @@ class Transformer(nn.Module):
         kinds = registry.chosen(cfg)
         self.specs = layer_specs(cfg)
         self.visits = layer_visits(cfg)
+        self.visit_specs = visit_specs(cfg, self.specs)
         self.base_width = base_width(cfg)
         self.widths = [s.d for s in self.specs]
         self.varying_width = len(set(self.widths + [self.base_width])) > 1
@@ -96,7 +103,8 @@ class Transformer(nn.Module):
         self.position = kinds["position"].load()(cfg, self.specs)
         self.norms = kinds["norm"].load()(cfg)
         self.init_scheme = kinds["init"].load()(cfg)
-        self.residual = kinds["residual"].load()(cfg, self.specs)
+        # The residual stream has two sites per visit, so it is built over the visits' specs.
+        self.residual = kinds["residual"].load()(cfg, self.visit_specs)
         ffn = kinds["ffn"].load()
         self.layers = nn.ModuleList()
         for spec in self.specs:
@@ -129,15 +137,23 @@ class Transformer(nn.Module):
         """Embedded rows [R, T, d] through the layer schedule; the final-normed hidden state."""
         state = self.residual.start(x, ctx)
         width, seen = self.base_width, []  # seen: states at each resize (the width slot's refill)
-        for layer in self.visits:
+        for visit, layer in enumerate(self.visits):
             block = self.layers[layer]
             if self.varying_width and self.widths[layer] != width:
                 width = self.widths[layer]
                 state = self.residual.resize(state, width, seen)
-            site = 2 * layer
-            state = self.residual.write(state, site, block.attention(self.residual.read(state, site), ctx))
-            state = self.residual.write(state, site + 1, block.feed_forward(self.residual.read(state, site + 1), ctx))
+            # Each visit its own context (not one mutated in place): activation checkpointing calls
+            # a block again in backward, after the loop has moved on, and must see this visit.
+            vctx = dataclasses.replace(ctx, visit=visit)
+            site = 2 * visit
+            state = self.residual.write(state, site, block.attention(self.residual.read(state, site), vctx))
+            state = self.residual.write(state, site + 1, block.feed_forward(self.residual.read(state, site + 1), vctx))
         return self.norm(self.residual.final(state))
+
+    @property
+    def visit_blocks(self) -> list[Block]:
+        """The block each visit runs, in schedule order (what the rows' passes index by visit)."""
+        return [self.layers[layer] for layer in self.visits]
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
@@ -161,7 +177,8 @@ class Transformer(nn.Module):
 
     # ---- cached inference ---------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
-        shapes = [(s.n_kv_heads, s.head_dim) for s in self.specs]
+        # One entry per visit: a layer run twice computes its keys/values from two hidden states.
+        shapes = [(s.n_kv_heads, s.head_dim) for s in self.visit_specs]
         ref = self.lm_head.weight
         return KVCache(shapes, batch, max_len, device or ref.device, dtype or ref.dtype)
 

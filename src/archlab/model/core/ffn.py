@@ -2,7 +2,7 @@
 
 An FFN kind is a module built as ``cls(cfg, spec)`` with ``forward(x, ctx) -> Tensor``,
 ``init_parameters(init)``, and two classmethods: ``cost(cfg, spec)`` and ``coupling_width(cfg,
-spec)``, the width of the hidden activation it taps as ``u`` (``ctx.rows.tap(layer, "u", u)``;
+spec)``, the width of the hidden activation it taps as ``u`` (``ctx.rows.tap(ctx.visit, "u", u)``;
 the decode branch couples its rows there), 0 when it taps none.
 """
 
@@ -39,7 +39,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         g, u = self.w_gate_up(x).split(self.hidden, dim=-1)
-        u = ctx.rows.tap(self.layer, "u", F.silu(g) * u)
+        u = ctx.rows.tap(ctx.visit, "u", F.silu(g) * u)
         return self.w_down(u)
 
     @classmethod

@@ -217,7 +217,11 @@ def _causal_sdpa_with_sink(q: Tensor, k: Tensor, v: Tensor, sink: Tensor) -> Ten
 
 
 class KVCache(nn.Module):
-    """Static per-layer key/value buffers [B, kv_heads, max_len, head_dim] (gpt-fast style).
+    """Static per-visit key/value buffers [B, kv_heads, max_len, head_dim] (gpt-fast style).
+
+    Entry ``i`` belongs to visit ``i`` of the layer schedule (``Context.visit``), not to a layer: a
+    layer that a schedule runs twice writes two entries. For the sequential schedule visit ``i``
+    is layer ``i``.
 
     Row ``b`` holds one sequence, its token at position ``p`` in slot ``p``: every row has its own
     length, so sequences join and leave a running batch without moving anything (continuous
@@ -236,7 +240,7 @@ class KVCache(nn.Module):
         self.n_layers = len(shapes)
 
     def layer(self, i: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Layer ``i``'s keys and values of cache ``rows`` (all rows when None)."""
+        """Entry (visit) ``i``'s keys and values of cache ``rows`` (all rows when None)."""
         kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
         return (kc, vc) if rows is None else (kc[rows], vc[rows])
 
@@ -297,16 +301,16 @@ class Attention(nn.Module):
                 k, v = k[:lead], v[:lead]
         else:  # followers alone: queries from the shared W_Q, no keys/values of their own
             q = F.linear(x, w[: self.q_dim])
-        q = ctx.rows.tap(self.layer, "q", q)
+        q = ctx.rows.tap(ctx.visit, "q", q)
         q = ctx.rope.rotate(self._heads(q, self.n_heads), self.head_dim)
         if k is not None:
             k = ctx.rope.rotate(self._heads(k, self.n_kv_heads), self.head_dim)
             v = self._heads(v, self.n_kv_heads)
             if ctx.cache is not None:
-                ctx.cache.write(self.layer, ctx.positions, k, v, ctx.cache_rows)
+                ctx.cache.write(ctx.visit, ctx.positions, k, v, ctx.cache_rows)
         if ctx.cache is not None and ctx.mask is not None:  # attend over the cache, not the run's own K/V
-            k, v = ctx.cache.layer(self.layer, ctx.cache_rows)
-        k, v = ctx.rows.share(self.layer, "kv", (k, v) if k is not None else None)
+            k, v = ctx.cache.layer(ctx.visit, ctx.cache_rows)
+        k, v = ctx.rows.share(ctx.visit, "kv", (k, v) if k is not None else None)
         o = self._attend(q, k, v, ctx, lead)
         return self.wo(o.transpose(1, 2).reshape(rows, o.shape[2], self.q_dim))
 

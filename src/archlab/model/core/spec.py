@@ -83,7 +83,14 @@ class UniformHeads:
 
 
 class Sequential:
-    """Every layer once, in order."""
+    """Every layer once, in order.
+
+    A schedule kind's ``visits()`` lists layer indices in the order a forward pass runs them. A
+    layer may appear more than once (a loop: the same weights run again on a later hidden state)
+    or not at all (a skipped layer: its parameters exist but never run). The core keys the KV
+    cache, the residual sites, the rows' taps and the per-run costs by *visit* (position in this
+    list), so any fixed list works; it is fixed per config (a draw per step is not supported).
+    """
 
     def __init__(self, cfg: "ModelConfig") -> None:
         self.cfg = cfg
@@ -114,4 +121,16 @@ def base_width(cfg: "ModelConfig") -> int:
 
 def layer_visits(cfg: "ModelConfig") -> list[int]:
     """Layer indices in the order a forward pass runs them (the ``schedule`` slot)."""
-    return _slot(cfg, "schedule").visits()
+    return list(_slot(cfg, "schedule").visits())
+
+
+def n_visits(cfg: "ModelConfig") -> int:
+    """How many layer runs one forward pass makes (``n_layers`` for the sequential schedule)."""
+    return len(layer_visits(cfg))
+
+
+def visit_specs(cfg: "ModelConfig", specs: list[LayerSpec] | None = None) -> list[LayerSpec]:
+    """The spec of each visit, in schedule order: what the residual stream, the KV cache and the
+    per-run costs are sized by (a layer visited twice appears twice, a skipped one not at all)."""
+    specs = layer_specs(cfg) if specs is None else specs
+    return [specs[layer] for layer in layer_visits(cfg)]

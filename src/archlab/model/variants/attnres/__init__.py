@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from archlab.model.core.spec import n_visits
 from archlab.model.registry import Variant, register
 from archlab.typed import check
 
@@ -36,10 +37,13 @@ class ResidualConfig:
     def validate(self, model) -> None:
         check(self.heads > 0 and model.d_model % self.heads == 0, "model.residual.heads",
               f"must divide d_model={model.d_model}, got {self.heads}")
-        check(0 <= self.blocks <= 2 * model.n_layers, "model.residual.blocks",
-              f"must be in 0..{2 * model.n_layers} (0 = full AttnRes), got {self.blocks}")
-        check(0 <= self.delta_groups <= 2 * model.n_layers, "model.residual.delta_groups",
-              f"must be in 0..{2 * model.n_layers}, got {self.delta_groups}")
+        # Sites are per visit of the layer schedule (two each), not per layer: a looped layer's
+        # runs are different sites (n_visits = n_layers for the sequential schedule).
+        sites = 2 * n_visits(model)
+        check(0 <= self.blocks <= sites, "model.residual.blocks",
+              f"must be in 0..{sites} (0 = full AttnRes), got {self.blocks}")
+        check(0 <= self.delta_groups <= sites, "model.residual.delta_groups",
+              f"must be in 0..{sites}, got {self.delta_groups}")
 
 
 _MODULE = "archlab.model.variants.attnres.module"

@@ -1,7 +1,9 @@
 """Attention residuals over depth: AttnRes, Block AttnRes, MHAR and delta conversion (spec section 2).
 
 Two kinds of the ``residual`` slot (``model.residual.kind``; the interface is in
-``archlab.model.core.residual``), with their options in ``model.residual.*``:
+``archlab.model.core.residual``), with their options in ``model.residual.*``. ``L`` below is the
+number of *visits* of the layer schedule (``n_layers`` for the sequential one): sites, sources and
+routing queries are per visit, so a looped layer's later run routes over its earlier run's output.
 
 ``attnres``
     Sources ``s_0`` = the token embedding and ``s_i`` = the raw output of sublayer ``i - 1``.
@@ -117,7 +119,7 @@ from archlab.kernels.routing import resolve_impl, route
 from archlab.model.core.context import Context
 from archlab.model.core.cost import Cost
 from archlab.model.core.residual import resize_stream
-from archlab.model.core.spec import base_width
+from archlab.model.core.spec import base_width, n_visits
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -136,18 +138,21 @@ def block_bounds(n_sites: int, n_blocks: int) -> list[int]:
     return [(j * n_sites) // n_blocks for j in range(n_blocks + 1)]
 
 
+# ``L`` in this module is the number of *visits* of the layer schedule (``len(layer_visits(cfg))``,
+# which is ``n_layers`` for the sequential schedule): each visit has its two sites and its own
+# routing queries, so a looped layer's second run routes over the first run's outputs as well.
 def attnres_blocks(cfg: "ModelConfig") -> int:
-    s = 2 * cfg.n_layers
+    s = 2 * n_visits(cfg)
     return cfg.residual.blocks if 0 < cfg.residual.blocks < s else s
 
 
 def delta_groups(cfg: "ModelConfig") -> int:
-    return cfg.residual.delta_groups or cfg.n_layers
+    return cfg.residual.delta_groups or n_visits(cfg)
 
 
 def read_source_counts(cfg: "ModelConfig", n_blocks: int) -> list[int]:
     """Number of sources of each of the ``2L + 1`` reads (sites 0..2L-1, then the final read)."""
-    s = 2 * cfg.n_layers
+    s = 2 * n_visits(cfg)
     bounds = block_bounds(s, n_blocks)
     counts = []
     for j in range(n_blocks):
@@ -157,8 +162,9 @@ def read_source_counts(cfg: "ModelConfig", n_blocks: int) -> list[int]:
     return counts
 
 
-def site_label(site: int, n_layers: int) -> str:
-    if site == 2 * n_layers:
+def site_label(site: int, n_visits: int) -> str:
+    """``L{v}.attn`` / ``L{v}.mlp``: ``v`` is the visit (the layer, for the sequential schedule)."""
+    if site == 2 * n_visits:
         return "final"
     return f"L{site // 2}.{'attn' if site % 2 == 0 else 'mlp'}"
 
@@ -418,8 +424,9 @@ class DepthRouting(nn.Module):
         super().__init__()
         self.d = max([base_width(cfg)] + [s.d for s in specs])  # sources are stored this wide
         self.varying_width = any(s.d != self.d for s in specs)
-        self.n_layers = cfg.n_layers
-        self.n_sites = 2 * cfg.n_layers
+        # ``specs``: one per visit of the layer schedule (``Transformer.visit_specs``)
+        self.n_visits = len(specs)
+        self.n_sites = 2 * self.n_visits
         self.heads = cfg.residual.heads
         self.eps = cfg.norm_eps
         self.impl = cfg.residual.impl
@@ -454,7 +461,7 @@ class DepthRouting(nn.Module):
     # ---- labels -----------------------------------------------------------------------------------
     def _unit_name(self, j: int) -> str:
         if self.n_blocks == self.n_sites:
-            return site_label(j, self.n_layers)
+            return site_label(j, self.n_visits)
         return f"{self.unit_label}{j + 1}"
 
     def source_labels(self, site: int) -> list[str]:
@@ -584,12 +591,12 @@ class DepthRouting(nn.Module):
     # ---- cost ---------------------------------------------------------------------------------------
     @staticmethod
     def _read_widths(specs: "list[LayerSpec]") -> list[int]:
-        """The width of each read: sites 0..2L-1 at their layer's width, then the final read."""
+        """The width of each read: sites 0..2L-1 at their visit's width, then the final read."""
         return [specs[site // 2].d for site in range(2 * len(specs))] + [specs[-1].d]
 
     @staticmethod
     def _read_flops(cfg: "ModelConfig", specs: "list[LayerSpec]", n_blocks: int) -> int:
-        s = 2 * cfg.n_layers
+        s = 2 * len(specs)
         widths = DepthRouting._read_widths(specs)
         flops = sum(7 * n * w for n, w in zip(read_source_counts(cfg, n_blocks), widths))
         firsts = set(block_bounds(s, n_blocks)[:-1])
@@ -618,7 +625,7 @@ class AttnResResidual(DepthRouting):
 
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
-        return Cost(params=(2 * cfg.n_layers + 1) * 2 * cls._stored_width(cfg, specs),
+        return Cost(params=(2 * len(specs) + 1) * 2 * cls._stored_width(cfg, specs),
                     flops=cls._read_flops(cfg, specs, attnres_blocks(cfg)))
 
 
@@ -658,6 +665,6 @@ class DeltaResidual(DepthRouting):
 
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
-        reads, d = 2 * cfg.n_layers + 1, cls._stored_width(cfg, specs)
+        reads, d = 2 * len(specs) + 1, cls._stored_width(cfg, specs)
         return Cost(params=reads * (2 * d + 1) + d,
                     flops=cls._read_flops(cfg, specs, delta_groups(cfg)) + sum(2 * w for w in cls._read_widths(specs)))

@@ -2,8 +2,11 @@
 
 Follower ("branch") rows share every weight but their embedding, query the primary's keys and
 values and write none; at three coupling sites per layer they add a learned multiple of the
-primary row's activation at the same layer and position (``q``, the MLP hidden ``u`` and the MLP
-output ``m``; zero-initialised vectors ``a``, ``b``, ``c``).
+primary row's activation at the same visit and position (``q``, the MLP hidden ``u`` and the MLP
+output ``m``; zero-initialised vectors ``a``, ``b``, ``c``). The passes key what they record by
+visit (``Context.visit``) and find a visit's coupling vectors on the block it runs
+(``Transformer.visit_blocks``): under a looping schedule a layer's vectors serve each of its
+visits, each coupled to the primary's activation of that visit.
 
 Three arrangements, one per use:
 
@@ -61,23 +64,24 @@ class Coupling(nn.Module):
         return t.reshape(tgt.shape)
 
 
-def _coupling(blocks: nn.ModuleList, layer: int, name: str) -> Coupling | None:
+def _coupling(blocks: "list[Block]", visit: int, name: str) -> Coupling | None:
+    """``blocks``: the block of each visit (``Transformer.visit_blocks``)."""
     attr = _COUPLING_SITES.get(name)
-    return getattr(blocks[layer], attr, None) if attr is not None else None
+    return getattr(blocks[visit], attr, None) if attr is not None else None
 
 
 class RecordPass(Pass):
     """Primary rows whose followers run afterwards: keep what the followers read."""
 
     def __init__(self) -> None:
-        self.values: dict[tuple[int, str], Any] = {}
+        self.values: dict[tuple[int, str], Any] = {}  # by (visit, name)
 
-    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
-        self.values[(layer, name)] = x
+    def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
+        self.values[(visit, name)] = x
         return x
 
-    def share(self, layer: int, name: str, value: Any) -> Any:
-        self.values[(layer, name)] = value
+    def share(self, visit: int, name: str, value: Any) -> Any:
+        self.values[(visit, name)] = value
         return value
 
 
@@ -88,35 +92,35 @@ class FollowPass(Pass):
 
     group = 1
 
-    def __init__(self, blocks: nn.ModuleList, record: RecordPass, lengths: Tensor | None = None) -> None:
+    def __init__(self, blocks: "list[Block]", record: RecordPass, lengths: Tensor | None = None) -> None:
         self.blocks, self.record, self.lengths = blocks, record, lengths
 
     def lead(self, rows: int) -> int:
         return 0
 
-    def _recorded(self, layer: int, name: str) -> Tensor:
-        value = self.record.values[(layer, name)]
+    def _recorded(self, visit: int, name: str) -> Tensor:
+        value = self.record.values[(visit, name)]
         return value if self.lengths is None else last_of(value, self.lengths)
 
-    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
-        couple = _coupling(self.blocks, layer, name)
-        return x if couple is None else couple(self._recorded(layer, name), x)
+    def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
+        couple = _coupling(self.blocks, visit, name)
+        return x if couple is None else couple(self._recorded(visit, name), x)
 
-    def share(self, layer: int, name: str, value: Any) -> Any:
-        return self._recorded(layer, name) if value is None else value
+    def share(self, visit: int, name: str, value: Any) -> Any:
+        return self._recorded(visit, name) if value is None else value
 
 
 class GroupedPass(Pass):
     """Primary rows (the first ``batch``) and their followers stacked in one activation."""
 
-    def __init__(self, blocks: nn.ModuleList, batch: int) -> None:
+    def __init__(self, blocks: "list[Block]", batch: int) -> None:
         self.blocks, self.batch = blocks, batch
 
     def lead(self, rows: int) -> int:
         return self.batch
 
-    def tap(self, layer: int, name: str, x: Tensor) -> Tensor:
-        couple = _coupling(self.blocks, layer, name)
+    def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
+        couple = _coupling(self.blocks, visit, name)
         if couple is None:
             return x
         p, f = x[: self.batch], x[self.batch:]
@@ -168,7 +172,7 @@ class BranchRows(PrimaryRows):
             return super().forward(model, idx, ctx)
         record = RecordPass()
         primary = model.logits(model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record)))
-        follow = dataclasses.replace(ctx, rows=FollowPass(model.layers, record))
+        follow = dataclasses.replace(ctx, rows=FollowPass(model.visit_blocks, record))
         branch = model.logits(model.run(self.embed(model, idx), follow))
         return primary, branch.view(self.n_branches, *primary.shape)
 
@@ -179,14 +183,14 @@ class BranchRows(PrimaryRows):
         # The first follower rows: at each prompt's last token, in the same call, attending to the
         # cache the primary rows just wrote.
         last = model.cache_context(ctx.cache, (lengths - 1)[:, None], ctx.cache_rows)
-        last.rows = FollowPass(model.layers, record, lengths)
+        last.rows = FollowPass(model.visit_blocks, record, lengths)
         branch = model.logits(model.run(self.embed(model, last_of(idx, lengths)), last))
         return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
 
     def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
         b = idx.shape[0]
         x = torch.cat([model.tok_emb(idx), self.embed(model, idx)])
-        logits = model.logits(model.run(x, dataclasses.replace(ctx, rows=GroupedPass(model.layers, b))))
+        logits = model.logits(model.run(x, dataclasses.replace(ctx, rows=GroupedPass(model.visit_blocks, b))))
         primary, branch = logits[:b], logits[b:]
         return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
 

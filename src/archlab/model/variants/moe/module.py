@@ -34,9 +34,9 @@ Design choices (the spec leaves them open; each is stated here once):
   a permutation gather and combined with a per-row weighted sum over the ``k`` slots (no atomic
   scatter-add), so the forward pass is deterministic.
 - **Follower rows (decode branch).** ``replay`` (default): a follower row takes its primary row's
-  experts at the same layer and position (for ``k2 < k1`` the ``k2`` of them with the highest
+  experts at the same visit and position (for ``k2 < k1`` the ``k2`` of them with the highest
   *follower* logits) and its own gates; the primary's choice reaches a follower-only pass through
-  ``ctx.rows.share(layer, "experts", ...)``. ``independent``: followers route themselves with
+  ``ctx.rows.share(ctx.visit, "experts", ...)``. ``independent``: followers route themselves with
   top-``k2``. When primary and follower rows share one activation (grouped decode) the router and
   the experts each run once over all of them (one weight read); a primary-only pass is computed
   exactly as if no followers existed (bitwise).
@@ -207,12 +207,12 @@ class MoE(nn.Module):
             lp = logits[:lead] if lead < x.shape[0] else logits
             top, idx = lp.topk(self.top_k, dim=-1)
             primary = Route(idx, torch.softmax(top, dim=-1), lp)
-            prim_idx = ctx.rows.share(self.layer, "experts", idx)
+            prim_idx = ctx.rows.share(ctx.visit, "experts", idx)
         if lead < x.shape[0]:
             lb = logits[lead:]
             k2 = self.branch_top_k
             if self.branch_routing == "replay":
-                prim = prim_idx if prim_idx is not None else ctx.rows.share(self.layer, "experts", None)
+                prim = prim_idx if prim_idx is not None else ctx.rows.share(ctx.visit, "experts", None)
                 if prim is None:
                     raise ValueError("router replay needs the primary rows' expert choice")
                 if k2 > prim.shape[-1]:

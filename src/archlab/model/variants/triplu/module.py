@@ -92,7 +92,7 @@ class TriPLU(nn.Module):
         return (y * self.norm_weight.to(y.dtype)).type_as(p)
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        u = ctx.rows.tap(self.layer, "u", self.product(x))
+        u = ctx.rows.tap(ctx.visit, "u", self.product(x))
         return self.w_out(u)
 
     @classmethod
