@@ -122,6 +122,15 @@ class RunConfig:
         self.data.validate()
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                f"must be <= model.max_seq_len={self.model.max_seq_len}")
+        if self.train.parallel != "none":
+            # A layer no visit runs has parameters without gradients: DDP's reducer waits for them
+            # and FSDP's units never reduce them. Not supported rather than hanging a job.
+            from archlab.model.core.spec import layer_visits
+
+            skipped = sorted(set(range(self.model.n_layers)) - set(layer_visits(self.model)))
+            check(not skipped, "train.parallel",
+                  f"{self.train.parallel} cannot train model.schedule {self.model.schedule!r}, which skips "
+                  f"layers {skipped}: train it in one process (train.parallel none)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

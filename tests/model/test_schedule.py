@@ -225,3 +225,13 @@ def test_a_loop_over_varying_widths_is_refused_naming_both_options():
     model = trained(run_cfg("skipping", *WIDTHS).model)  # skipping resizes as one pass does: fine
     assert len(set(model.widths)) > 1
     assert_matches_full_forward(model, [torch.randint(1, V, (k,)).tolist() for k in (9, 5)], prompt_lens=[3, 2])
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_skipping_schedule_is_refused_by_the_distributed_layouts(parallel):
+    """A skipped layer's parameters get no gradient, which DDP's reducer waits for forever."""
+    with pytest.raises(ConfigError) as e:
+        run_cfg("skipping", f"train.parallel={parallel}")
+    assert str(e.value) == (f"config error: train.parallel: {parallel} cannot train model.schedule 'skipping', "
+                            "which skips layers [2]: train it in one process (train.parallel none)")
+    assert run_cfg("looped", f"train.parallel={parallel}").train.parallel == parallel  # loops are fine
