@@ -124,6 +124,29 @@ def test_the_engine_decodes_a_looped_or_skipping_model_as_uncached_greedy(schedu
         assert r.tokens == uncached_greedy(model, p, n)
 
 
+@pytest.mark.parametrize("variant", ["branch", "branch_attnres"])
+def test_a_looped_branch_prefill_couples_each_visit_in_one_pass(variant):
+    """The branch's one-pass prefill (follower rows appended to the primary's time axis) equals
+    the former two-pass prefill under a loop: each visit's taps couple to that visit's primary
+    activation, and each visit's cache entry holds the primary's keys/values only."""
+    from tests.model.variants.test_branch import primary_only, two_pass_prefill
+
+    model = randomised(build_model(run_cfg("looped", *VARIANTS[variant]).model)).eval()
+    idx = torch.randint(1, V, (3, 12), generator=torch.Generator().manual_seed(2))
+    lengths = torch.tensor([12, 4, 7])
+    base = primary_only(model)
+    with torch.no_grad():
+        cache, ref_cache = model.new_cache(3, 32), base.new_cache(3, 32)
+        got = model.prefill(idx, cache, lengths)
+        ref = two_pass_prefill(model, idx, model.new_cache(3, 32), lengths)
+        base.prefill(idx, ref_cache, lengths)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert cache.n_layers == 2 * L
+    for visit in range(cache.n_layers):
+        for kb, kp in zip(cache.layer(visit), ref_cache.layer(visit)):
+            torch.testing.assert_close(kb, kp, atol=1e-6, rtol=0)
+
+
 def test_activation_checkpointing_recomputes_each_visit_with_its_own_taps():
     """A checkpointed block is called again in backward, after the loop moved on: it must see its
     own visit (the branch's followers read the primary's taps of that visit)."""

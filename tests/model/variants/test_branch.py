@@ -238,3 +238,168 @@ def test_accounting_against_baseline():
     assert c["decode_bytes_per_step"] - b["decode_bytes_per_step"] == 2 * (L * (cfg.n_heads * cfg.dim_per_head
                                                                                 + cfg.hidden + d) + d)
     assert c["decode_bytes_per_step"] / b["decode_bytes_per_step"] < 1.005
+
+
+# ---- the one-pass prefill (follower rows appended to the primary's time axis) ----------------------
+def two_pass_prefill(model, idx, cache, lengths):
+    """The former prefill, kept as the reference: the primary rows (``RecordPass``), then a second
+    run over every layer for the follower rows of each prompt's last token (``FollowPass`` with
+    ``lengths``), attending to the cache the primary rows wrote."""
+    import dataclasses
+
+    from archlab.model.core.context import Context
+    from archlab.model.core.rows import last_of
+    from archlab.model.variants.branch.module import FollowPass, RecordPass
+
+    rows = model.rows
+    b, t = idx.shape
+    positions = torch.arange(t).expand(b, t)
+    ctx = Context(rope=model.position.tables(t), cache=cache, positions=positions)
+    record = RecordPass()
+    hidden = model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record))
+    primary = model.logits(last_of(hidden, lengths))
+    last = model.cache_context(cache, (lengths - 1)[:, None])
+    last.rows = FollowPass(model.visit_blocks, record, lengths)
+    branch = model.logits(model.run(rows.embed(model, last_of(idx, lengths)), last))
+    return rows.log_probs(primary, branch.view(rows.n_branches, *primary.shape))[:, 0]
+
+
+def _prefill_model(case: str):
+    """A branch model of one kind, with every zero-initialised routing/coupling/sink parameter made
+    random so that a misplaced row, tap, replay or sink changes the result."""
+    from archlab.model.variants.attnres import ResidualConfig
+    from archlab.model.variants.moe import MoEConfig
+
+    over, branch = {}, {"n_branches": 2}
+    if case == "n1":
+        branch = {"n_branches": 1}
+    elif case == "branch_readout":
+        branch["readout"] = "branch"
+    elif case == "uncoupled":
+        branch["coupling"] = False
+    elif case.startswith("moe"):
+        routing = case.split("_")[1]
+        over = dict(ffn="moe", moe=MoEConfig(n_experts=4, top_k=2, branch_top_k=1, shared_expert=True,
+                                             branch_routing=routing))
+    elif case == "attnres":
+        over = dict(residual=ResidualConfig(kind="attnres", heads=1, blocks=0))
+    elif case == "block_mhar":
+        over = dict(residual=ResidualConfig(kind="attnres", heads=2, blocks=3), n_layers=3)
+    elif case == "delta":
+        over = dict(residual=ResidualConfig(kind="delta", heads=2))
+    elif case == "sinks_gqa":
+        over = dict(attn_sinks=True, n_kv_heads=1)
+    elif case == "mha":
+        over = dict(n_kv_heads=4)
+    torch.manual_seed(11)
+    cfg = tiny_model_cfg(**over)
+    cfg.branch.enabled = True
+    for k, v in branch.items():
+        setattr(cfg.branch, k, v)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".couple_" in name or name.endswith(".sink") or name.startswith("residual."):
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+PREFILL_CASES = ["n1", "n2", "branch_readout", "uncoupled", "moe_replay", "moe_independent", "attnres",
+                 "block_mhar", "delta", "sinks_gqa", "mha"]
+
+
+def _padded(seqs, t, pad):
+    idx = torch.full((len(seqs), t), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        idx[i, : len(s)] = torch.tensor(s)
+    return idx, torch.tensor([len(s) for s in seqs])
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_one_pass_prefill_equals_the_two_pass_prefill_and_the_full_forward(case):
+    """Ragged prompts: the one-pass prefill's prediction equals the former two-pass prefill's and
+    the full uncached forward's readout at each prompt's last token; it does not depend on the
+    padding (an appended row that saw past ``lengths - 1`` would); and the cache holds exactly what
+    the primary rows write (an appended row that wrote its keys/values anywhere would show)."""
+    model = _prefill_model(case)
+    base = primary_only(model)
+    seqs = [torch.randint(1, 97, (n,)).tolist() for n in (9, 3, 12)]
+    t = 16
+    with torch.no_grad():
+        caches = [model.new_cache(3, 32) for _ in range(3)]
+        got = [model.prefill(_padded(seqs, t, pad)[0], cache, _padded(seqs, t, pad)[1])
+               for pad, cache in zip((0, 5, 96), caches)]
+        old = two_pass_prefill(model, *_padded(seqs, t, 0)[:1], model.new_cache(3, 32), _padded(seqs, t, 0)[1])
+        base_cache = base.new_cache(3, 32)
+        base.prefill(*_padded(seqs, t, 0)[:1], base_cache, _padded(seqs, t, 0)[1])
+        for i, s in enumerate(seqs):
+            ref = model.log_probs(model(torch.tensor([s])))[0, -1]
+            torch.testing.assert_close(got[0][i], ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[0], old, atol=1e-5, rtol=0)
+    for other in got[1:]:  # different padding after each prompt: the same prediction
+        torch.testing.assert_close(other, got[0], atol=1e-6, rtol=0)
+    for visit in range(caches[0].n_layers):
+        for kb, kp in zip(caches[0].layer(visit), base_cache.layer(visit)):
+            torch.testing.assert_close(kb, kp, atol=1e-6, rtol=0)
+            assert torch.count_nonzero(kb[:, :, t:]) == 0  # nothing at the appended positions T..T+r-1
+
+
+def test_appended_rows_neither_write_the_cache_nor_see_past_their_position():
+    """Direct check of the two ways an appended row could leak: a prompt's cache slots are the
+    primary-only model's, bitwise where the computation is the same per token, and moving what lies
+    after a prompt (padding, other tokens) leaves the follower rows' prediction unchanged."""
+    model = branch_model(n_branches=2, readout="branch")  # the branch rows alone make the prediction
+    seqs = [[4, 5, 6, 7, 8], [9, 10]]
+    with torch.no_grad():
+        a = model.prefill(_padded(seqs, 8, 1)[0], model.new_cache(2, 16), torch.tensor([5, 2]))
+        idx = _padded(seqs, 8, 1)[0]
+        idx[1, 2:] = torch.arange(60, 66)  # visible keys/values if the branch rows saw past position 1
+        cache = model.new_cache(2, 16)
+        b = model.prefill(idx, cache, torch.tensor([5, 2]))
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    base_cache = primary_only(model).new_cache(2, 16)
+    with torch.no_grad():
+        primary_only(model).prefill(idx, base_cache, torch.tensor([5, 2]))
+    for layer in range(model.cfg.n_layers):
+        for kb, kp in zip(cache.layer(layer), base_cache.layer(layer)):
+            torch.testing.assert_close(kb, kp, atol=1e-6, rtol=0)
+            assert torch.count_nonzero(kb[:, :, 8:]) == 0
+
+
+def test_prefill_with_autograd_on_equals_inference():
+    """With grad enabled the taps cannot write into the activation (a split's view): the
+    concatenating fallback gives the same prediction."""
+    model = branch_model(n_branches=2)
+    idx, lengths = torch.randint(1, 97, (2, 8)), torch.tensor([8, 3])
+    with torch.no_grad():
+        ref = model.prefill(idx, model.new_cache(2, 16), lengths)
+    got = model.prefill(idx, model.new_cache(2, 16), lengths)
+    assert got.requires_grad
+    torch.testing.assert_close(got.detach(), ref, atol=1e-6, rtol=0)
+
+
+def test_prefill_runs_the_layers_once():
+    """The follower rows run inside the primary's run: one ``run`` and one call of each sublayer
+    per visit (the former prefill ran every layer twice)."""
+    model = branch_model(n_branches=2)
+    runs, calls = [], []
+    real_run = model.run
+    model.run = lambda x, ctx: runs.append(tuple(x.shape)) or real_run(x, ctx)
+    for block in model.layers:
+        real = block.attention
+        block.attention = lambda h, ctx, real=real: calls.append(tuple(h.shape)) or real(h, ctx)
+    with torch.no_grad():
+        model.prefill(torch.randint(1, 97, (3, 8)), model.new_cache(3, 16), torch.tensor([8, 2, 5]))
+    assert runs == [(3, 8 + 2, model.cfg.d_model)]  # the prompts plus one position per branch
+    assert len(calls) == model.cfg.n_layers
+
+
+def test_compiled_engine_generates_the_uncompiled_tokens():
+    """``torch.compile`` traces the appended rows' pass (its in-place taps, gathers and the
+    appended queries' mask) to the same greedy tokens as eager, on CPU."""
+    model = branch_model(n_branches=2)
+    prompts = [[3, 4, 5, 6, 7], [8, 9]]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    eager = [r.tokens for r in Engine(model, slots=2, max_len=32).generate(prompts, params)]
+    compiled = [r.tokens for r in Engine(model, slots=2, max_len=32, compile=True).generate(prompts, params)]
+    assert compiled == eager

@@ -11,6 +11,15 @@ describes them with a ``Pass``, which the few components that care consult:
 * values that followers reuse instead of computing go through ``share(ctx.visit, name, x)``
   (``kv``: the keys/values, ``experts``: MoE router replay).
 
+A pass may also append *query-only rows* to the end of the time axis (``appended`` of them, the
+run's last positions): a run of [B, T + a] positions whose first T are the ordinary rows. An
+appended row of sequence ``b`` is a query at position ``appended_positions[b, i]`` of that
+sequence: attention rotates it there, lets it see the keys/values of positions up to it, and
+computes and writes no keys/values for it; ``anchor`` picks the ordinary rows' value at that
+position (MoE router replay reads it). Every other op is per token and runs on all T + a
+positions at once, so a few extra query rows cost no extra pass over the layers (the decode
+branch's first follower rows in a prefill).
+
 Taps, shares, the KV cache and the residual sites are keyed by *visit* (``Context.visit``: the
 position in the layer schedule), not by layer: a schedule that runs a layer twice (a loop) runs it
 on different hidden states, whose keys/values and activations must not overwrite each other.
@@ -24,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -33,6 +43,9 @@ class Pass:
     #: which group of rows this pass runs (0: primary rows, 1: followers), for diagnostics that
     #: tell a forward's row groups apart (routing probes)
     group = 0
+    #: query-only rows appended to the time axis, and their positions [B, appended] (module doc)
+    appended = 0
+    appended_positions: Tensor | None = None
 
     def lead(self, rows: int) -> int:
         """How many leading rows of an ``rows``-row activation are primary rows."""
@@ -43,6 +56,12 @@ class Pass:
 
     def share(self, visit: int, name: str, value: Any) -> Any:
         return value
+
+    def anchor(self, x: Tensor) -> Tensor:
+        """The ordinary rows' values ``x`` [B, T, ...] at the appended rows' positions:
+        [B, appended, ...]."""
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        return x[rows, self.appended_positions]
 
 
 PLAIN = Pass()
@@ -55,10 +74,11 @@ class Context:
     * No cache: causal self-attention over the run's own sequence (training, evaluation).
     * A cache and no ``mask`` (a fresh prefill): the same causal self-attention, and the new
       keys/values are also written to the cache at ``positions``.
-    * A cache and a ``mask`` [B, 1, T, S] (decode; the decode branch's row after a prefill): new
-      keys/values are written at ``positions`` and queries attend to the cache slots the mask allows.
+    * A cache and a ``mask`` [B, 1, T, S] (decode): new keys/values are written at ``positions``
+      and queries attend to the cache slots the mask allows.
 
-    ``positions`` [B, T] are each token's position in its sequence, which is also its cache slot;
+    ``positions`` [B, T] are each token's position in its sequence, which is also its cache slot
+    (the ordinary rows'; ``rope`` also covers a pass's appended rows, at their own positions);
     ``cache_rows`` [B] the cache rows (sequences) the batch's rows use (None: rows ``0..B-1``).
     ``visit``: which entry of the layer schedule is running (``Transformer.run`` gives each visit
     its own copy of the run's context, so a recompute under activation checkpointing, which calls

@@ -290,6 +290,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         rows = x.shape[0]
         lead = ctx.rows.lead(rows)
+        appended = ctx.rows.appended  # query-only positions at the end of the time axis
         w = self.wqkv.weight
         k = v = None
         if lead:
@@ -306,6 +307,8 @@ class Attention(nn.Module):
         if k is not None:
             k = ctx.rope.rotate(self._heads(k, self.n_kv_heads), self.head_dim)
             v = self._heads(v, self.n_kv_heads)
+            if appended:  # query-only rows: their keys/values (free in the one matmul) are dropped
+                k, v = k[:, :, :-appended], v[:, :, :-appended]
             if ctx.cache is not None:
                 ctx.cache.write(ctx.visit, ctx.positions, k, v, ctx.cache_rows)
         if ctx.cache is not None and ctx.mask is not None:  # attend over the cache, not the run's own K/V
@@ -334,7 +337,21 @@ class Attention(nn.Module):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
         """Attention of every row of ``q`` [R, H, T, hd]; rows past ``lead`` are followers of
-        sequence ``row % batch``, which see the same keys/values and mask as that sequence."""
+        sequence ``row % batch``, which see the same keys/values and mask as that sequence.
+        Appended query-only positions (``ctx.rows.appended``) are attended to apart."""
+        a = ctx.rows.appended
+        if a:
+            if lead != q.shape[0]:
+                raise ValueError("appended query-only positions need every row to be a primary row")
+            # The ordinary queries keep their own path (the fused causal kernel in a prefill);
+            # the few appended ones see their sequence's keys/values up to their position.
+            slots = torch.arange(k.shape[2], device=q.device)
+            mask = (slots <= ctx.rows.appended_positions[:, :, None])[:, None]  # [B, 1, a, S]
+            o = self._attend_rows(q[:, :, :-a], k, v, ctx, lead)
+            return torch.cat([o, sdpa(q[:, :, -a:], k, v, mask=mask, sink=self.sink)], dim=2)
+        return self._attend_rows(q, k, v, ctx, lead)
+
+    def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
         batch, t = k.shape[0], q.shape[2]
         if ctx.mask is None:
             # Causal over the sequence; a follower row at t sees its sequence's K/V at <= t, which

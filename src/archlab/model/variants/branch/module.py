@@ -15,9 +15,14 @@ Three arrangements, one per use:
   read (coupling sources, keys/values, MoE expert choices). The follower rows then run through the
   same layers under a ``FollowPass`` pass. Rows are branch-major: row ``r*B + b`` is branch ``r`` of
   sequence ``b``.
-* **prefill**: the primary rows run the prompt and write the cache; the follower rows of the last
-  prompt position then run in the same call, coupled to the recorded primary activations at that
-  position, attending to the cache.
+* **prefill** (``AppendedPass``): one run over the layers. The follower rows of each prompt's
+  last token are appended to the primary rows along the time axis ([B, T + n_branches]: position
+  ``T + r`` of row ``b`` is branch ``r``'s embedding of prompt ``b``'s last token), so every
+  per-token op runs once over both, with the baseline's kernel count (a second pass over all
+  layers for one follower row per branch cost about as much as a decode step). The appended rows
+  are query-only rows (``Pass.appended``): attention rotates them to position ``lengths - 1``,
+  lets them see their prompt's keys/values up to it, and writes nothing to the cache for them;
+  the coupling sites read the primary activation at ``lengths - 1`` of the same tensor.
 * **decode** (grouped decode): primary and follower rows of the new token are stacked into one
   activation (``GroupedPass``): every weight is read once for all rows, keys/values are computed
   from the primary rows only, and every row of a sequence reads that sequence's cache in one
@@ -87,8 +92,9 @@ class RecordPass(Pass):
 
 class FollowPass(Pass):
     """Follower rows only, after a ``RecordPass`` over their sequences' primary rows: at every
-    position (training), or at one position per sequence, ``lengths - 1`` (a prefill's last token),
-    whose recorded values are picked out."""
+    position (training), or at one position per sequence, ``lengths - 1`` (a prefill's last token
+    run as a second pass, which ``AppendedPass`` does inside the primary's; the tests keep that
+    two-pass prefill as its reference), whose recorded values are picked out."""
 
     group = 1
 
@@ -125,6 +131,33 @@ class GroupedPass(Pass):
             return x
         p, f = x[: self.batch], x[self.batch:]
         return torch.cat([p, couple(p, f)])
+
+
+class AppendedPass(Pass):
+    """A prefill's primary rows [B, T] with each prompt's first follower rows appended on the time
+    axis: position ``T + r`` of row ``b`` is branch ``r`` at position ``lengths[b] - 1`` (the
+    prompt's last token). Attention makes the appended rows query-only (``Pass.appended``); the
+    coupling taps add ``a_r`` times the primary's activation at that position. The follower
+    semantics are ``FollowPass``'s with ``lengths``, in the same run as the primary rows."""
+
+    def __init__(self, blocks: "list[Block]", lengths: Tensor, n_branches: int) -> None:
+        self.blocks = blocks
+        self.appended = n_branches
+        self.appended_positions = (lengths - 1)[:, None].expand(-1, n_branches)
+
+    def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
+        couple = _coupling(self.blocks, visit, name)
+        if couple is None:
+            return x
+        a = self.appended
+        src = self.anchor(x[:, :-a])  # [B, a, D]: the primary's value at each follower's position
+        f = x[:, -a:] + couple.a[None] * src  # ``Coupling``'s ``t + a * src``, per branch
+        if torch.is_grad_enabled():  # autograd forbids writing into a split's view (``q``)
+            return torch.cat([x[:, :-a], f.to(x.dtype)], dim=1)
+        # In place on the few appended positions: a concatenation would copy the whole activation
+        # at every tap. The primary part keeps its dtype (and the baseline's values).
+        x[:, -a:] = f
+        return x
 
 
 class BranchRows(PrimaryRows):
@@ -177,15 +210,21 @@ class BranchRows(PrimaryRows):
         return primary, branch.view(self.n_branches, *primary.shape)
 
     def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor) -> Tensor:
-        record = RecordPass()
-        hidden = model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record))
-        primary = model.logits(last_of(hidden, lengths))
-        # The first follower rows: at each prompt's last token, in the same call, attending to the
-        # cache the primary rows just wrote.
-        last = model.cache_context(ctx.cache, (lengths - 1)[:, None], ctx.cache_rows)
-        last.rows = FollowPass(model.visit_blocks, record, lengths)
-        branch = model.logits(model.run(self.embed(model, last_of(idx, lengths)), last))
-        return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
+        b, t = idx.shape
+        r = self.n_branches
+        # The first follower rows (each prompt's last token, every branch) appended on the time
+        # axis: [B, T + r]; one run over the layers (``AppendedPass``).
+        follow = self.embed(model, last_of(idx, lengths)).view(r, b, -1).transpose(0, 1)
+        x = torch.cat([model.tok_emb(idx), follow], dim=1)
+        rows = AppendedPass(model.visit_blocks, lengths, r)
+        positions = torch.cat([ctx.positions, rows.appended_positions], dim=1)
+        hidden = model.run(x, dataclasses.replace(ctx, rope=model.position.tables(positions), rows=rows))
+        # One unembedding for what the readout needs: each prompt's last primary row, then the r
+        # follower rows.
+        last = torch.cat([(lengths - 1)[:, None], torch.arange(t, t + r, device=idx.device).expand(b, r)], dim=1)
+        logits = model.logits(hidden[torch.arange(b, device=idx.device)[:, None], last])  # [B, 1 + r, V]
+        branch = logits[:, 1:].transpose(0, 1)[:, :, None]  # [r, B, 1, V]
+        return self.log_probs(logits[:, :1], branch)[:, 0]
 
     def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
         b = idx.shape[0]

@@ -37,9 +37,11 @@ Design choices (the spec leaves them open; each is stated here once):
   experts at the same visit and position (for ``k2 < k1`` the ``k2`` of them with the highest
   *follower* logits) and its own gates; the primary's choice reaches a follower-only pass through
   ``ctx.rows.share(ctx.visit, "experts", ...)``. ``independent``: followers route themselves with
-  top-``k2``. When primary and follower rows share one activation (grouped decode) the router and
-  the experts each run once over all of them (one weight read); a primary-only pass is computed
-  exactly as if no followers existed (bitwise).
+  top-``k2``. When primary and follower rows share one activation (grouped decode; a prefill's
+  follower rows appended on the time axis, ``ctx.rows.appended``, which replay the primary's
+  choice at their position, ``ctx.rows.anchor``) the router and the experts each run once over
+  all of them (one weight read); a primary-only pass is computed exactly as if no followers
+  existed (bitwise).
 """
 
 from __future__ import annotations
@@ -200,16 +202,20 @@ class MoE(nn.Module):
         can replay it.
         """
         lead = ctx.rows.lead(x.shape[0])
+        appended = ctx.rows.appended  # follower positions at the end of the time axis (a prefill)
         logits = self._router_logits(x)
         primary = follower = None
         prim_idx = None
-        if lead:
+        if appended:
+            lp, lb = logits[:, :-appended], logits[:, -appended:]
+        else:
             lp = logits[:lead] if lead < x.shape[0] else logits
+            lb = logits[lead:] if lead < x.shape[0] else None
+        if lead:
             top, idx = lp.topk(self.top_k, dim=-1)
             primary = Route(idx, torch.softmax(top, dim=-1), lp)
             prim_idx = ctx.rows.share(ctx.visit, "experts", idx)
-        if lead < x.shape[0]:
-            lb = logits[lead:]
+        if lb is not None:
             k2 = self.branch_top_k
             if self.branch_routing == "replay":
                 prim = prim_idx if prim_idx is not None else ctx.rows.share(ctx.visit, "experts", None)
@@ -217,9 +223,12 @@ class MoE(nn.Module):
                     raise ValueError("router replay needs the primary rows' expert choice")
                 if k2 > prim.shape[-1]:
                     raise ValueError(f"router replay: branch_top_k={k2} exceeds top_k={prim.shape[-1]}")
-                prim = prim[:, prim.shape[1] - lb.shape[1]:]  # followers of the last positions only
-                reps = lb.shape[0] // prim.shape[0]
-                cand = prim.repeat(reps, 1, 1)  # branch-major rows: r*B + b <- primary row b
+                if appended:  # each appended row replays its sequence's choice at its position
+                    cand = ctx.rows.anchor(prim)
+                else:
+                    prim = prim[:, prim.shape[1] - lb.shape[1]:]  # followers of the last positions only
+                    reps = lb.shape[0] // prim.shape[0]
+                    cand = prim.repeat(reps, 1, 1)  # branch-major rows: r*B + b <- primary row b
                 cand_logits = lb.gather(-1, cand)
                 if k2 < cand.shape[-1]:
                     cand_logits, pos = cand_logits.topk(k2, dim=-1)
@@ -271,11 +280,15 @@ class MoE(nn.Module):
         return ys.index_select(0, inv)
 
     @staticmethod
-    def _assignments(route: Route, offset: int) -> tuple[Tensor, Tensor]:
-        """Flat (token, expert) lists of a group, row-major over ``[rows*T, k]``."""
+    def _assignments(route: Route, offset: int, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Flat (token, expert) lists of a group, row-major over ``[rows*T, k]``: its tokens are
+        ``offset ..`` in that order, or the flat token ids ``tokens`` [rows, T]."""
         idx = route.idx.reshape(-1, route.idx.shape[-1])
-        tok = torch.arange(idx.shape[0], device=idx.device).repeat_interleave(idx.shape[1]) + offset
-        return tok, idx.reshape(-1)
+        if tokens is None:
+            tok = torch.arange(idx.shape[0], device=idx.device) + offset
+        else:
+            tok = tokens.reshape(-1)
+        return tok.repeat_interleave(idx.shape[1]), idx.reshape(-1)
 
     @staticmethod
     def _combine(y: Tensor, gates: Tensor) -> Tensor:
@@ -291,16 +304,24 @@ class MoE(nn.Module):
             ctx.add_aux_loss(load_balance_loss(primary.logits, primary.idx, self.aux_loss_coef))
         flat = x.reshape(-1, self.d_model)
         routes = [r for r in (primary, follower) if r is not None]
+        appended = ctx.rows.appended
+        # Appended follower positions sit at the end of each row's time axis, not after the
+        # primary rows: each group names its tokens' flat ids.
+        ids = torch.arange(flat.shape[0], device=x.device).view(x.shape[:2]) if appended else None
+        groups = [ids[:, :-appended], ids[:, -appended:]] if appended else [None] * len(routes)
         # One pass over the experts for every row: each expert's weights are read once.
         toks, exps, offset = [], [], 0
-        for r in routes:
-            tok, exp = self._assignments(r, offset)
+        for r, tokens in zip(routes, groups):
+            tok, exp = self._assignments(r, offset, tokens)
             toks.append(tok), exps.append(exp)
             offset += r.idx.shape[0] * r.idx.shape[1]
         tok, exp = (toks[0], exps[0]) if len(routes) == 1 else (torch.cat(toks), torch.cat(exps))
         y = self.dispatch(flat, tok, exp)
         outs = [self._combine(yi, r.gates) for yi, r in zip(y.split([t.numel() for t in toks]), routes)]
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(*x.shape[:-1], self.d_model)
+        if appended:
+            out = torch.cat([o.view(*r.idx.shape[:2], self.d_model) for o, r in zip(outs, routes)], dim=1)
+        else:
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(*x.shape[:-1], self.d_model)
         if self.shared is not None:
             # SwiGLU taps the hidden ``u``, where the decode branch couples its rows.
             out = out + self.shared(x, ctx)
