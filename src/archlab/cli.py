@@ -240,6 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--out", required=True, help="archlab checkpoint directory to write")
     h.set_defaults(func=cmd_import_hf)
 
+    def cmd_export_hf(args) -> int:
+        from archlab.convert.hf_export import cli_export_hf
+        return cli_export_hf(args)
+
+    e = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama folder (config.json, "
+                       "model.safetensors, tokenizer) that transformers loads",
+                       description="The inverse of import-hf, for models a LlamaForCausalLM can hold: any "
+                                   "other option (decode branch, attention residuals, MoE, zoo options) is "
+                                   "refused with one line naming it.")
+    e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
+    e.add_argument("--out", required=True, help="folder to write (must not exist)")
+    e.set_defaults(func=cmd_export_hf)
+
     i = sub.add_parser("info", help="parameters, FLOPs and KV bytes of a config")
     config_args(i)
     i.add_argument("--context", type=int_at_least(0, "0 = train.seq_len"), default=0,
