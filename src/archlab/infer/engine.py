@@ -324,6 +324,13 @@ class Scheduler:
         self.decode_steps = self.active_rows = self.max_active = 0
         self.prefills = self.admitted = 0
         self.max_admit_wait = self.max_prefill_s = 0.0
+        self.step_s = self.emit_s = 0.0  # host time in engine.step (tokens read back) / handing them out
+
+    @property
+    def mean_step_ms(self) -> float:
+        """Mean host time of one streamed decode step in the engine, tokens read back included:
+        against the wall time per step, what the serving loop adds around the model."""
+        return 1e3 * self.step_s / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def mean_active(self) -> float:
@@ -417,9 +424,13 @@ class Scheduler:
         active = {s: r for s, r in self.running.items() if not r.done}
         greedy = all(r.params.greedy for r in active.values())
         self._count_step(len(active))
+        t0 = time.perf_counter()
         tokens = self.engine.step(greedy).tolist()
+        t1 = time.perf_counter()
         for slot, r in active.items():
             self._emit(r, tokens[slot])
+        self.step_s += t1 - t0
+        self.emit_s += time.perf_counter() - t1
 
     def _run_unsynced(self, active: dict[int, Request]) -> None:
         """Steps whose tokens stay on the device until ``sync_every`` of them have run."""

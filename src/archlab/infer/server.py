@@ -169,27 +169,57 @@ def parse_completion(body: Any, model_name: str, tokenizer, eos: int | None) -> 
     return ids, params, stops, stream
 
 
+_WINDOW = 6  # tokens of already-decoded context each incremental decode starts from
+
+
 class TextStream:
     """Incremental detokenisation: the new text after each token, cut at the first stop string
     (which is not returned). Until the last token it holds back an incomplete UTF-8 character and
-    any tail that could still grow into a stop string, so no text sent is ever taken back."""
+    any tail that could still grow into a stop string, so no text sent is ever taken back.
+
+    Each token decodes a short window, not the whole sequence: decoding every stream's full text
+    at every step cost O(length) per token, in the one process that serves every stream. The
+    window starts a few decoded tokens back, because a decoder may render a token differently at
+    the start of a text (a leading space dropped, a byte sequence cut); the new text is what the
+    window adds to the decode of its first part (as Hugging Face's and vLLM's incremental
+    detokenisers do), and the whole text is decoded once where that does not hold."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...], eos: int | None):
         self.tokenizer, self.stops, self.eos = tokenizer, stops, eos
         self.ids: list[int] = []
+        self.read = 0  # ids[:read] are in ``decoded``; ids[read:] not yet
+        self.decoded = ""  # the text of ids[:read]
         self.sent = ""
         self.stopped = False
+
+    def _advance(self, final: bool) -> str:
+        """The complete text of the tokens since the last call ("" while a character is unfinished)."""
+        start = max(0, self.read - _WINDOW)
+        before = self.tokenizer.decode(self.ids[start:self.read])
+        while not before and start > 0:  # tokens that decode to nothing (special ones) give no anchor
+            start = max(0, start - _WINDOW)
+            before = self.tokenizer.decode(self.ids[start:self.read])
+        window = self.tokenizer.decode(self.ids[start:])
+        if window.endswith("\ufffd") and not final:
+            return ""
+        self.read = len(self.ids)
+        if window.startswith(before):
+            return window[len(before):]
+        # A decoder whose text for the window's first tokens changed with what followed: the
+        # whole text once, which is always right.
+        return self.tokenizer.decode(self.ids)[len(self.decoded):]
 
     def add(self, token: int, final: bool = False) -> str:
         if token != self.eos:
             self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        self.decoded += self._advance(final)
+        text = self.decoded
+        # A stop string starting before ``lo`` would have ended inside the text already sent.
+        lo = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
+        cuts = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
         if cuts:
             text, self.stopped = text[: min(cuts)], True
         elif not final:
-            if text.endswith("\ufffd"):
-                return ""
             hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[: len(text) - hold]
         delta, self.sent = text[len(self.sent):], text
