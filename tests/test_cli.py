@@ -283,3 +283,27 @@ def test_info_per_layer_shows_the_width_schedule(capsys):
     assert widths[0] == widths[-1] > min(widths) and len(set(r["width"] for r in got["baseline"]["layers"])) == 1
     assert sum(r["kv_bytes_per_token"] for r in got["this config"]["layers"]) == got["this config"]["kv_bytes_per_token"]
     assert got["this config"]["kv_bytes_per_token"] < got["baseline"]["kv_bytes_per_token"]
+
+
+def test_out_of_gpu_memory_is_one_line_and_any_other_error_keeps_its_traceback(capsys, monkeypatch, tmp_path):
+    """torch.OutOfMemoryError (matched by name: the CLI must not import torch to catch it) is a
+    resource limit the user sets, so one line with what to change; a bug still raises."""
+    import archlab.train.trainer as trainer
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def out_of_memory(*args, **kwargs):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(trainer, "train", out_of_memory)
+    code, out, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"))
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("archlab: out of GPU memory; the last checkpoint is kept: lower train.batch_size")
+
+    def bug(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(trainer, "train", bug)
+    with pytest.raises(KeyError):
+        run_cli(capsys, "train", "--out", str(tmp_path / "run"))
