@@ -49,13 +49,16 @@ class TrendRow:
 
 
 def _differences(data: ReportData, label: str) -> tuple[float, ...]:
-    base = {(r.init_seed, r.data_seed): r.final_val_loss for r in data.baseline.finished}
+    """Per-seed differences against the baseline: by seed pair where the suite's own verdict
+    pairs them (``stats.pairs``), else against the baseline's mean."""
+    base = data.baseline.finished
     mine = next(s for s in data.summaries if s.label == label).finished
-    paired = [r.final_val_loss - base[(r.init_seed, r.data_seed)] for r in mine
-              if (r.init_seed, r.data_seed) in base]
-    if len(paired) == len(mine) and len(paired) >= 2:
-        return tuple(paired)
-    mean = float(np.mean(list(base.values()))) if base else float("nan")
+    key = lambda r: (r.init_seed, r.data_seed)  # noqa: E731
+    diffs, complete = stats.pairs([r.final_val_loss for r in base], [r.final_val_loss for r in mine],
+                                  [key(r) for r in base], [key(r) for r in mine])
+    if complete and len(diffs) >= 2:
+        return tuple(diffs)
+    mean = float(np.mean([r.final_val_loss for r in base])) if base else float("nan")
     return tuple(r.final_val_loss - mean for r in mine)
 
 
