@@ -207,17 +207,17 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
     def steps_for(label: str) -> int:
         return max(1, round(suite.budget.tokens * token_scale(label) / probe[label].train.tokens_per_step))
 
-    def scheduled(cfg: RunConfig, label: str, init_seed: int, data_seed: int) -> RunConfig:
+    def schedule_for(label: str, steps: int) -> dict[str, int] | None:
         """An iso-FLOP run shorter or longer than its iso-token self keeps its schedule's shape:
         warm-up and evaluations at the same fractions of training (a fixed 200-step warm-up in a
         211-step run would leave it at its peak rate for 11 steps, and the last evaluations would
-        average different stages of training)."""
+        average different stages of training). The label's own settings are its probe's."""
         scale = token_scale(label)
         if scale == 1.0:
-            return cfg
-        fit = {"warmup_steps": min(cfg.train.steps, round(cfg.train.warmup_steps * scale)),
-               "eval_every": max(1, round(cfg.train.eval_every * scale))}
-        return build(label, init_seed, data_seed, cfg.train.steps, schedule=fit)
+            return None
+        own = probe[label].train
+        return {"warmup_steps": min(steps, round(own.warmup_steps * scale)),
+                "eval_every": max(1, round(own.eval_every * scale))}
 
     # Pass 2: the runs, interleaved by seed index so partial results cover every label early.
     runs: list[PlannedRun] = []
@@ -228,7 +228,8 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
                 continue
             init_seed = seeds[i]
             data_seed = suite.seeds.data_seed(init_seed)
-            cfg = scheduled(build(label, init_seed, data_seed, steps_for(label)), label, init_seed, data_seed)
+            steps = steps_for(label)
+            cfg = build(label, init_seed, data_seed, steps, schedule=schedule_for(label, steps))
             chash = _portable_hash(cfg, out_dir)
             ident = json.dumps([suite.name, label, init_seed, data_seed, chash])
             run_id = f"{label}-s{init_seed}-d{data_seed}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}"
