@@ -64,9 +64,15 @@ class Coupling(nn.Module):
             self.a.zero_()
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Follower rows ``tgt`` branch-major ([n_branches * B, T, dim]) from primary ``src``."""
         reps, b = self.a.shape[0], src.shape[0]
         t = tgt.view(reps, b, *tgt.shape[1:]) + self.a[:, None, None, :] * src[None]
         return t.reshape(tgt.shape)
+
+    def on_time_axis(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Follower positions ``tgt`` [B, n_branches, dim], branch ``r`` at position ``r``,
+        from ``src`` [B, n_branches, dim] (a prefill's appended rows, ``AppendedPass``)."""
+        return tgt + self.a[None] * src
 
 
 def _coupling(blocks: "list[Block]", visit: int, name: str) -> Coupling | None:
@@ -151,7 +157,7 @@ class AppendedPass(Pass):
             return x
         a = self.appended
         src = self.anchor(x[:, :-a])  # [B, a, D]: the primary's value at each follower's position
-        f = x[:, -a:] + couple.a[None] * src  # ``Coupling``'s ``t + a * src``, per branch
+        f = couple.on_time_axis(src, x[:, -a:])
         if torch.is_grad_enabled():  # autograd forbids writing into a split's view (``q``)
             return torch.cat([x[:, :-a], f.to(x.dtype)], dim=1)
         # In place on the few appended positions: a concatenation would copy the whole activation
