@@ -258,3 +258,45 @@ def test_a_skipping_schedule_is_refused_by_the_distributed_layouts(parallel):
     assert str(e.value) == (f"config error: train.parallel: {parallel} cannot train model.schedule 'skipping', "
                             "which skips layers [2]: train it in one process (train.parallel none)")
     assert run_cfg("looped", f"train.parallel={parallel}").train.parallel == parallel  # loops are fine
+
+
+class DropThirdForFirstRow:
+    """A toy layer-dropout kind: every layer visited, and in training layer 2 dropped for row 0
+    (a fixed draw, so the test knows which rows lost which layer)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def visits(self):
+        return list(range(self.cfg.n_layers))
+
+    def keep(self, visit, rows, device):
+        if visit != 2:
+            return None
+        return torch.tensor([0.0] + [1.0] * (rows - 1), device=device).view(rows, 1, 1)
+
+
+def test_a_schedule_can_drop_visits_in_training_only():
+    registry.register(registry.Variant("schedule", "drop-third", DropThirdForFirstRow))
+    try:
+        torch.manual_seed(0)
+        seq = build_model(run_cfg("sequential").model)
+        drop = build_model(run_cfg("drop-third").model)
+        skip = build_model(run_cfg("skipping").model)  # [0, 1, 3]
+        for m in (drop, skip):
+            m.load_state_dict(seq.state_dict())
+        x = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(2))
+        drop.train()
+        out = drop(x).logits
+        with torch.no_grad():
+            torch.testing.assert_close(out[0], skip(x).logits[0], rtol=0, atol=1e-6)  # row 0: no layer 2
+            torch.testing.assert_close(out[1], seq(x).logits[1], rtol=0, atol=1e-6)  # row 1: every layer
+        out[0].sum().backward()
+        assert all(p.grad is None or not p.grad.any() for p in drop.layers[2].parameters())
+        assert any(p.grad is not None and p.grad.any() for p in drop.layers[1].parameters())
+        drop.eval()  # evaluation and decoding run every visit
+        with torch.no_grad():
+            assert torch.equal(drop(x).logits, seq(x).logits)
+        assert_matches_full_forward(drop, [torch.randint(1, V, (k,)).tolist() for k in (9, 5)], prompt_lens=[3, 2])
+    finally:
+        registry.unregister("schedule", "drop-third")

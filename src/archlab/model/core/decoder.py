@@ -90,6 +90,11 @@ class Transformer(nn.Module):
         kinds = registry.chosen(cfg)
         self.specs = layer_specs(cfg)
         self.visits = layer_visits(cfg)
+        # A schedule kind may also drop visits in training (layer dropout / stochastic depth):
+        # ``keep(visit, rows, device)`` -> a [rows, 1, 1] multiplier of that visit's two outputs
+        # (0 drops it for a row, 1/(1-p) rescales a kept one), or None to keep the visit as is.
+        # Only in training: cached decoding and evaluation run every visit.
+        self.visit_keep = getattr(cfg.variant("schedule").load()(cfg), "keep", None)
         self.visit_specs = visit_specs(cfg, self.specs)
         self.base_width = base_width(cfg)
         self.widths = [s.d for s in self.specs]
@@ -146,8 +151,11 @@ class Transformer(nn.Module):
             # a block again in backward, after the loop has moved on, and must see this visit.
             vctx = dataclasses.replace(ctx, visit=visit)
             site = 2 * visit
-            state = self.residual.write(state, site, block.attention(self.residual.read(state, site), vctx))
-            state = self.residual.write(state, site + 1, block.feed_forward(self.residual.read(state, site + 1), vctx))
+            keep = self.visit_keep(visit, x.shape[0], x.device) if self.training and self.visit_keep else None
+            out = block.attention(self.residual.read(state, site), vctx)
+            state = self.residual.write(state, site, out if keep is None else out * keep)
+            out = block.feed_forward(self.residual.read(state, site + 1), vctx)
+            state = self.residual.write(state, site + 1, out if keep is None else out * keep)
         return self.norm(self.residual.final(state))
 
     @property
