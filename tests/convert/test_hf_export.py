@@ -94,7 +94,7 @@ def test_cli_writes_a_new_folder_only(tmp_path, capsys):
     assert code == 0 and "LlamaForCausalLM, 2 layers" in out
     before = (tmp_path / "hf" / "model.safetensors").read_bytes()
     code, out, err = run_cli(capsys, "export-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
-    assert code == 1 and err.count("\n") == 1 and "never overwrites" in err
+    assert code == 2 and err.count("\n") == 1 and "never overwrites" in err
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == before
     code, out, err = run_cli(capsys, "export-hf", "--ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
     assert code == 1 and err.count("\n") == 1 and "does not exist" in err

@@ -77,6 +77,6 @@ def test_trend_errors_are_one_line(two_sizes: tuple[Path, Path], tmp_path: Path)
     one = subprocess.run([*cli, str(small)], capture_output=True, text=True)
     assert one.returncode == 2 and one.stderr.count("\n") == 1 and "at least two" in one.stderr
     missing = subprocess.run([*cli, str(small), str(tmp_path)], capture_output=True, text=True)
-    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "not a suite directory" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "not a suite directory" in missing.stderr
     ok = subprocess.run([*cli, *map(str, two_sizes), "--md"], capture_output=True, text=True)
     assert ok.returncode == 0 and "| lower-init |" in ok.stdout

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from archlab.config import ModelConfig
 from archlab.convert.hf import UnsupportedModel, config_from_hf
-from archlab.errors import ArchlabError
+from archlab.errors import UsageError
 from archlab.model import registry
 
 
@@ -103,7 +103,7 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
 
     out = Path(out)
     if out.exists():
-        raise ArchlabError(f"{out} exists; export-hf writes a new folder and never overwrites one")
+        raise UsageError(f"--out {out} exists; export-hf writes a new folder and never overwrites one")
     model, run_cfg, path = load_model(ckpt, "cpu")
     tok_file = path / "tokenizer.json"
     eos = load_tokenizer(tok_file).token_to_id(EOS_TOKEN) if tok_file.is_file() else None

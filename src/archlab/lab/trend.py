@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from archlab.errors import ArchlabError
+from archlab.errors import ArchlabError, UsageError
 from archlab.lab import stats
 from archlab.lab.report import ReportData, collect
 from archlab.lab.store import DB_NAME, ResultStore
@@ -75,7 +75,7 @@ def _point(data: ReportData, label: str) -> SizePoint:
 def load_suite_dir(path: Path) -> ReportData:
     db = Path(path) / DB_NAME
     if not db.is_file():
-        raise ArchlabError(f"{path} is not a suite directory (no {DB_NAME}; run archlab compare first)")
+        raise UsageError(f"{path} is not a suite directory (no {DB_NAME}; run archlab compare first)")
     with ResultStore(db) as store:
         return collect(store)
 
