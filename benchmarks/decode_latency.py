@@ -1,7 +1,8 @@
 """Decode-Branch against the baseline on the inference engine: decode ms/step and prefill (time to
 first token), with the bandwidth roofline, per preset, measured in one process.
 
-    python benchmarks/decode_latency.py --presets 124m,1b --batches 1,8 --context 1024 --prompt 2048
+    python benchmarks/decode_latency.py --presets 124m,1b --batches 1,8 --context 1024 --prompt 2048 \
+        --attention triton,sdpa
 
 Both models of a preset share every weight but the branch's own tensors (the branch's coupling
 vectors are random, as trained ones are non-zero). Each row runs through ``archlab.infer.bench``
@@ -10,9 +11,12 @@ and a decode step captured as a CUDA graph. The roofline of a decode step is
 ``accounting.decode_bytes_per_step / measured copy bandwidth``; prefill is reported as MFU against
 the detected device's peak. Prints a Markdown table and one JSON object per row.
 
-``--grouped time,heads`` measures the branch's decode once per placement of its rows in the
-attention call (``archlab.model.core.layers.GROUPED_DECODE``: more queries, or more query heads),
-one table row each, against the same baseline measurement.
+``--attention triton,sdpa,sdpa-heads`` measures decode once per attention kernel of the decode
+step, one table row each: ``triton`` is archlab's decode kernel (``kernels/decode_attention.py``,
+the default on CUDA), ``sdpa`` PyTorch's SDPA under the cache mask with the branch's rows as more
+queries of their sequence, ``sdpa-heads`` the same with them as more query heads
+(``layers.DECODE_ATTENTION`` and ``layers.GROUPED_DECODE``). The ratio of a row is within its
+kernel: branch on that kernel against the baseline on that kernel.
 
 ``--profile`` also profiles 20 batch-1 decode steps of each model (the step body the graph
 captures, run uncaptured so the profiler sees every kernel) and prints, per model, the kernels
@@ -38,6 +42,14 @@ from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
 from archlab.model import build_model  # noqa: E402
 from archlab.model.core import layers  # noqa: E402
+
+
+# --attention NAME: (layers.DECODE_ATTENTION, layers.GROUPED_DECODE)
+ATTENTION = {"triton": ("triton", "time"), "sdpa": ("sdpa", "time"), "sdpa-heads": ("sdpa", "heads")}
+
+
+def use(mode: str) -> None:
+    layers.DECODE_ATTENTION, layers.GROUPED_DECODE = ATTENTION[mode]
 
 
 def models(preset: str, max_len: int, extra: list[str]):
@@ -84,12 +96,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], dest="extra", help="config override for both models")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode of both models")
-    ap.add_argument("--grouped", default=layers.GROUPED_DECODE,
-                    help=f"where grouped decode puts the branch rows, one or more of {layers.GROUPED_DECODE_MODES}")
+    ap.add_argument("--attention", default="triton",
+                    help=f"decode attention kernels to measure, one or more of {tuple(ATTENTION)}")
     args = ap.parse_args()
-    modes = args.grouped.split(",")
-    if not set(modes) <= set(layers.GROUPED_DECODE_MODES):
-        ap.error(f"--grouped: each of {layers.GROUPED_DECODE_MODES}, got {args.grouped!r}")
+    modes = args.attention.split(",")
+    if not set(modes) <= set(ATTENTION):
+        ap.error(f"--attention: each of {tuple(ATTENTION)}, got {args.attention!r}")
     if not torch.cuda.is_available():
         print("decode_latency: no CUDA device; nothing to measure")
         return
@@ -109,18 +121,23 @@ def main() -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
             for b in [int(x) for x in args.batches.split(",")]:
-                ref = bench_decode(base, b, args.context, args.steps, bw)
+                refs = {}  # the baseline has no branch rows: SDPA's placement of them changes nothing
                 for mode in modes:
-                    layers.GROUPED_DECODE = mode  # read when the step is traced (a new engine per call)
+                    use(mode)  # read when the step is traced (a new engine per call)
+                    kernel = layers.DECODE_ATTENTION
+                    if kernel not in refs:
+                        refs[kernel] = bench_decode(base, b, args.context, args.steps, bw)
+                    ref = refs[kernel]
                     dec = bench_decode(branch, b, args.context, args.steps, bw)
-                    r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "grouped": mode,
+                    r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "attention": mode,
                          "baseline": as_dict(ref), "branch": as_dict(dec), "ratio": dec.ms_per_step / ref.ms_per_step}
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             if args.profile:
-                runs = [("baseline", base, modes[0])] + [(f"branch ({mode})", branch, mode) for mode in modes]
+                runs = [(f"{name} ({mode})", m, mode) for mode in modes
+                        for name, m in (("baseline", base), ("branch", branch))]
                 for name, m, mode in runs:
-                    layers.GROUPED_DECODE = mode
+                    use(mode)
                     prof = profile_decode(m, args.context)
                     print(f"\nprofile {preset} {name} decode b1: {prof['kernels_per_step']:.0f} kernels/step, "
                           f"GPU busy {prof['gpu_busy_ms']:.3f} ms/step")
@@ -137,7 +154,7 @@ def main() -> None:
             print(f"| {r['preset']} | prefill (TTFT) | prompt {r['prompt']} | {b['ms']:.3f} | {d['ms']:.3f} | "
                   f"{r['ratio']:.3f} | {mfu(b)} / {mfu(d)} |")
         else:
-            print(f"| {r['preset']} | decode ({r['grouped']}) | batch {r['batch']}, ctx {r['context']} | {b['ms_per_step']:.3f} | "
+            print(f"| {r['preset']} | decode ({r['attention']}) | batch {r['batch']}, ctx {r['context']} | {b['ms_per_step']:.3f} | "
                   f"{d['ms_per_step']:.3f} | {r['ratio']:.3f} | {b['frac_of_roofline']:.1%} / "
                   f"{d['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} / {d['roofline_ms']:.3f} ms |")
     if args.json:

@@ -11,12 +11,12 @@ train with, so ``auto`` never picks it there; it must be asked for by name.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Literal, overload
 
 import torch
 
 from archlab.errors import ConfigError
+from archlab.kernels import interpreting
 from archlab.kernels.routing_compiled import route_compiled
 from archlab.kernels.routing_reference import route_reference, validate_tail
 
@@ -33,14 +33,9 @@ def _triton_imports() -> bool:
     return True
 
 
-def _interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (Triton's own spellings)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _triton_unusable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on ``device``, or ``None`` if they can."""
-    if device.type == "cpu" and not _interpreting():
+    if device.type == "cpu" and not interpreting():
         return "on CPU the Triton kernels run only with TRITON_INTERPRET=1 (a test mode)"
     if device.type not in ("cuda", "cpu"):
         return f"the Triton kernels support CUDA (and the CPU interpreter), not {device.type}"

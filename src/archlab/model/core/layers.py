@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 # enable_gqa arrived in torch 2.5; older versions get the keys/values repeated per query head.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
+try:  # the decode-attention kernel needs Triton; without it decode runs on SDPA
+    from archlab.kernels.decode_attention import decode_attention as _decode_attention_kernel
+except ImportError:
+    _decode_attention_kernel = None
+
 
 # ---- norms ---------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
@@ -145,6 +150,27 @@ class RoPE(nn.Module):
 # them in one call. Read when a step is traced: set it before compiling.
 GROUPED_DECODE = "time"
 GROUPED_DECODE_MODES = ("time", "heads")
+
+# Which kernel a decode step's attention over the cache runs (one new position per sequence, any
+# number of rows per sequence): "triton", archlab's decode kernel (``kernels.decode_attention``:
+# reads only the filled slots, once for every row and query head that shares them, no mask),
+# "sdpa", PyTorch's SDPA under the boolean mask (rows placed by ``GROUPED_DECODE``), or "auto":
+# the kernel on CUDA when Triton is installed, SDPA elsewhere (on CPU the kernel runs only in
+# Triton's interpreter, for tests). Read when a step is traced: set it before compiling.
+DECODE_ATTENTION = "auto"
+DECODE_ATTENTION_MODES = ("auto", "sdpa", "triton")
+
+
+def decode_kernel_for(device: torch.device):
+    """The decode-attention kernel ``DECODE_ATTENTION`` picks for tensors on ``device``, or None
+    for SDPA."""
+    if DECODE_ATTENTION not in DECODE_ATTENTION_MODES:
+        raise ValueError(f"DECODE_ATTENTION must be one of {DECODE_ATTENTION_MODES}, not {DECODE_ATTENTION!r}")
+    if DECODE_ATTENTION == "sdpa" or (DECODE_ATTENTION == "auto" and device.type != "cuda"):
+        return None
+    if _decode_attention_kernel is None and DECODE_ATTENTION == "triton":
+        raise RuntimeError("DECODE_ATTENTION='triton' needs triton (pip install 'archlab[triton]')")
+    return _decode_attention_kernel
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
          sink: Tensor | None = None) -> Tensor:
@@ -335,6 +361,17 @@ class Attention(nn.Module):
         o = sdpa(rows.reshape(batch, h * g, 1, hd), k, v, mask=ctx.mask, sink=sink)
         return o.view(batch, h, g, hd).permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
 
+    def _decode_kernel(self, kernel, q: Tensor, k: Tensor, v: Tensor, ctx: Context, g: int) -> Tensor:
+        """Decode attention on archlab's kernel: a sequence's ``g`` rows (primary, then followers)
+        are ``g`` query rows of it, which see the slots up to its position (``ctx.mask`` is
+        exactly that: ``Transformer.cache_context``)."""
+        batch, h, hd = k.shape[0], q.shape[1], q.shape[3]
+        rows = q.view(g, batch, h, hd).permute(1, 2, 0, 3)  # [B, H, g, hd], a view
+        if rows.stride(3) != 1:
+            rows = rows.contiguous()
+        o = kernel(rows, k, v, ctx.positions[:, 0] + 1, self.sink)
+        return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
         """Attention of every row of ``q`` [R, H, T, hd]; rows past ``lead`` are followers of
         sequence ``row % batch``, which see the same keys/values and mask as that sequence.
@@ -367,8 +404,12 @@ class Attention(nn.Module):
         # Cached: fold follower rows into the query-time axis so that every row of a sequence
         # reads that sequence's cache once, in one attention call with the primary rows.
         reps = (q.shape[0] - lead) // batch
-        if t == 1 and lead == batch and reps:
-            return self._grouped_decode(q, k, v, ctx, 1 + reps)
+        if t == 1 and lead == batch:
+            kernel = decode_kernel_for(q.device)
+            if kernel is not None:
+                return self._decode_kernel(kernel, q, k, v, ctx, 1 + reps)
+            if reps:
+                return self._grouped_decode(q, k, v, ctx, 1 + reps)
         folded = []
         if lead:
             folded.append(q[:lead])

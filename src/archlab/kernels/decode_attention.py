@@ -1,0 +1,226 @@
+"""Decode attention: a few new queries per sequence against its static KV cache, in one Triton
+kernel (flash-decoding).
+
+A decode step asks, per sequence, ``G`` queries (the primary row and, with the decode branch, its
+follower rows, all at the sequence's newest position) of a cache whose first ``lengths[b]`` slots
+are filled. PyTorch's SDPA needs that as a boolean mask over every slot of the static cache, and
+measured on an H200 it then picks its kernel by the query count: one query gets a decode kernel
+(5 us per 124m layer), two get a prefill kernel with 64-row tiles (21 us), so the decode branch's
+second row cost more than all its matmuls (docs/benchmarks.md, seventh session). This kernel
+instead:
+
+* reads each key/value head's filled slots once for every query that uses it: the ``Hq / Hkv``
+  query heads of a grouped-query head and the ``G`` rows of the sequence are the ``M`` rows of
+  one tile, so one row or several cost the same bytes (the rows cost only tensor-core work that
+  the tile pads to 16 rows anyway);
+* stops at ``lengths[b]`` instead of masking the rest of the cache (no mask tensor is built);
+* optionally splits the filled slots over ``splits`` programs per head (flash-decoding) so that a
+  small batch still occupies the GPU; a second small kernel merges the splits' partial softmax
+  sums. With one split the first kernel writes the output itself (one launch).
+* adds an attention sink per query head (a logit with a zero value), as ``layers.sdpa`` does.
+
+Shapes are static, so a CUDA graph captures it; the host computes nothing from the data.
+The kernels run on CUDA and, for tests, in Triton's CPU interpreter (``TRITON_INTERPRET=1``);
+``decode_attention_reference`` is the eager ground truth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from archlab.kernels import interpreting
+
+LOG2E = 1.4426950408889634
+
+
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor,
+                               sink: Tensor | None = None) -> Tensor:
+    """Eager reference: ``q`` [B, Hq, G, D] against ``k``/``v`` [B, Hkv, S, D], where row ``b``
+    sees slots ``< lengths[b]``; ``sink`` [Hq] one more logit per head with a zero value.
+    Returns [B, Hq, G, D] in ``q``'s dtype (computed in fp32)."""
+    b, hq, g, d = q.shape
+    rep = hq // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = (q.float() @ kf.transpose(-1, -2)) * d ** -0.5  # [B, Hq, G, S]
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if sink is not None:
+        scores = torch.cat([sink.float().view(1, hq, 1, 1).expand(b, hq, g, 1), scores], dim=-1)
+        vf = torch.cat([vf.new_zeros(b, hq, 1, d), vf], dim=2)
+    return (scores.softmax(-1) @ vf).to(q.dtype)
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, sink_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_og,
+    n_kv_heads, split_len, scale_log2,
+    REP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """One program per (sequence x key/value head, split): the ``REP * G`` query rows that read
+    this head, over this split's filled slots, with an online softmax in base 2."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // n_kv_heads
+    kvh = pid % n_kv_heads
+    length = tl.load(len_ptr + b)
+
+    rows = tl.arange(0, BLOCK_M)  # row r: query head kvh * REP + r // G, row r % G of it
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < REP * G
+    col_ok = cols < D
+    head = kvh * REP + rows // G
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + (rows % G)[:, None] * stride_qg
+                + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kt = tl.load(k_base + n[None, :] * stride_ks + cols[:, None], mask=n_ok[None, :] & col_ok[:, None],
+                     other=0.0)  # [BLOCK_D, BLOCK_N]
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(n_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + n[:, None] * stride_vs + cols[None, :], mask=n_ok[:, None] & col_ok[None, :],
+                     other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FP32_DOT:
+            pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SPLITS == 1:
+        if HAS_SINK:  # one more logit per head, its value zero: it only adds to the denominator
+            s_sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, s_sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(s_sink - m_new)
+            acc = acc * alpha[:, None]
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + (rows % G)[:, None] * stride_og
+                 + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        # Partial sums of this split: acc [BLOCK_M, BLOCK_D], then max and sum [2, BLOCK_M].
+        base = pid * SPLITS + split
+        tl.store(part_o_ptr + base * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + cols[None, :], acc)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + rows, m_i)
+        tl.store(part_ml_ptr + base * 2 * BLOCK_M + BLOCK_M + rows, l_i)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr, part_ml_ptr, sink_ptr, out_ptr,
+    stride_ob, stride_oh, stride_og, n_kv_heads,
+    REP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """One program per (sequence x key/value head): the splits' softmax sums rescaled to their
+    common maximum and added (an empty split has max -inf and sum 0, and weighs 0)."""
+    pid = tl.program_id(0)
+    b = pid // n_kv_heads
+    kvh = pid % n_kv_heads
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < REP * G
+    head = kvh * REP + rows // G
+    ml = part_ml_ptr + pid * SPLITS * 2 * BLOCK_M
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if HAS_SINK:
+        s_sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = s_sink
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(ml + s * 2 * BLOCK_M + rows))
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_SINK:
+        l = tl.exp2(s_sink - m)
+    for s in range(SPLITS):
+        w = tl.exp2(tl.load(ml + s * 2 * BLOCK_M + rows) - m)  # split 0 always holds slot 0: m is finite
+        l += w * tl.load(ml + s * 2 * BLOCK_M + BLOCK_M + rows)
+        acc += w[:, None] * tl.load(part_o_ptr + (pid * SPLITS + s) * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D
+                                    + cols[None, :])
+    out = acc / l[:, None]
+    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + (rows % G)[:, None] * stride_og + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < D)[None, :])
+
+
+BLOCK_N = 64
+TARGET_PROGRAMS = 128  # about one per SM of an H100/H200: enough splits to occupy the GPU
+MIN_SPLIT = 256  # fewer keys per split would spend more on merging than they save
+
+
+def default_splits(batch: int, kv_heads: int, slots: int) -> int:
+    """Splits per head: enough programs to fill the GPU, none shorter than ``MIN_SPLIT`` slots
+    of the static cache (shapes only, so one captured graph serves every length)."""
+    return max(1, min(math.ceil(TARGET_PROGRAMS / (batch * kv_heads)), slots // MIN_SPLIT))
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Tensor | None = None,
+                     splits: int | None = None) -> Tensor:
+    """``q`` [B, Hq, G, D] (G rows per sequence, all at its newest position) against the cache
+    ``k``/``v`` [B, Hkv, S, D] (last dimension contiguous), row ``b`` seeing slots
+    ``< lengths[b]`` (at least 1); ``sink`` [Hq] or None. Returns [B, Hq, G, D] in ``q``'s dtype.
+    Equal to ``decode_attention_reference`` up to rounding."""
+    b, hq, g, d = q.shape
+    kvh, slots = k.shape[1], k.shape[2]
+    if hq % kvh or k.shape[0] != b or v.shape != k.shape or k.shape[3] != d:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)} / v {tuple(v.shape)}")
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError("decode_attention: the head dimension must be contiguous")
+    rep = hq // kvh
+    splits = splits or default_splits(b, kvh, slots)
+    split_len = triton.cdiv(triton.cdiv(slots, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(slots, split_len)
+    block_m = max(16, triton.next_power_of_2(rep * g))
+    block_d = max(16, triton.next_power_of_2(d))
+    out = torch.empty_like(q)
+    # fp32 inputs multiply in full fp32 ("ieee", not tf32). So do bf16 ones in Triton's CPU
+    # interpreter, whose bf16 ``tl.dot`` is wrong (seen with Triton 3.x: a 16x16 product off by
+    # 1e10); bf16 converts to fp32 exactly, so only the speed differs.
+    if splits > 1:
+        part_o = torch.empty(b * kvh * splits * block_m * block_d, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(b * kvh * splits * 2 * block_m, device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_ml = out  # not written
+    lengths = lengths.to(torch.int32)
+    sink_arg = sink if sink is not None else q
+    common = dict(REP=rep, G=g, D=d, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=splits, HAS_SINK=sink is not None)
+    _decode_attn_kernel[(b * kvh, splits)](
+        q, k, v, lengths, sink_arg, out, part_o, part_ml,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        kvh, split_len, d ** -0.5 * LOG2E,
+        BLOCK_N=BLOCK_N, FP32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=4, **common,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(b * kvh,)](
+            part_o, part_ml, sink_arg, out, out.stride(0), out.stride(1), out.stride(2), kvh,
+            num_warps=4, **common,
+        )
+    return out
