@@ -13,15 +13,16 @@ the detected device's peak. Prints a Markdown table and one JSON object per row.
 
 ``--attention triton,sdpa,sdpa-heads`` measures decode once per attention kernel of the decode
 step, one table row each: ``triton`` is archlab's decode kernel (``kernels/decode_attention.py``,
-the default on CUDA), ``sdpa`` PyTorch's SDPA under the cache mask with the branch's rows as more
+the default on CUDA; ``triton-nosplit`` the same with one program per sequence and KV head, no
+flash-decoding split), ``sdpa`` PyTorch's SDPA under the cache mask with the branch's rows as more
 queries of their sequence, ``sdpa-heads`` the same with them as more query heads
 (``layers.DECODE_ATTENTION`` and ``layers.GROUPED_DECODE``). The ratio of a row is within its
 kernel: branch on that kernel against the baseline on that kernel.
 
-``--profile`` also profiles 20 batch-1 decode steps of each model (the step body the graph
-captures, run uncaptured so the profiler sees every kernel) and prints, per model, the kernels
-per step, the GPU-busy time per step and the kernels that take it, so the branch's extra cost can
-be attributed.
+``--profile`` also profiles 20 batch-1 decode steps of each model on the first ``--attention``
+kernel (the step body the graph captures, run uncaptured so the profiler sees every kernel) and
+prints, per model, the kernels per step, the GPU-busy time per step and the kernels that take it,
+so the branch's extra cost can be attributed.
 """
 
 from __future__ import annotations
@@ -41,15 +42,20 @@ from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandw
 from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
 from archlab.model import build_model  # noqa: E402
+from archlab.kernels import decode_attention  # noqa: E402
 from archlab.model.core import layers  # noqa: E402
 
 
-# --attention NAME: (layers.DECODE_ATTENTION, layers.GROUPED_DECODE)
-ATTENTION = {"triton": ("triton", "time"), "sdpa": ("sdpa", "time"), "sdpa-heads": ("sdpa", "heads")}
+# --attention NAME: (layers.DECODE_ATTENTION, layers.GROUPED_DECODE, the kernel's smallest split)
+ATTENTION = {"triton": ("triton", "time", decode_attention.MIN_SPLIT),
+             "triton-nosplit": ("triton", "time", 1 << 30),
+             "sdpa": ("sdpa", "time", None), "sdpa-heads": ("sdpa", "heads", None)}
 
 
 def use(mode: str) -> None:
-    layers.DECODE_ATTENTION, layers.GROUPED_DECODE = ATTENTION[mode]
+    layers.DECODE_ATTENTION, layers.GROUPED_DECODE, min_split = ATTENTION[mode]
+    if min_split:
+        decode_attention.MIN_SPLIT = min_split
 
 
 def models(preset: str, max_len: int, extra: list[str]):
@@ -95,10 +101,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--set", action="append", default=[], dest="extra", help="config override for both models")
     ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode of both models")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile batch-1 decode of both models on the first --attention kernel")
     ap.add_argument("--attention", default="triton",
                     help=f"decode attention kernels to measure, one or more of {tuple(ATTENTION)}")
+    ap.add_argument("--compile-mode", help="torch.compile mode of the decode step (e.g. max-autotune-no-cudagraphs)")
+    ap.add_argument("--coordinate-descent", action="store_true",
+                    help="inductor's coordinate-descent tuning of its generated kernels (as gpt-fast sets)")
+    ap.add_argument("--no-prefill", action="store_true", help="decode rows only")
     args = ap.parse_args()
+    if args.coordinate_descent:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
     modes = args.attention.split(",")
     if not set(modes) <= set(ATTENTION):
         ap.error(f"--attention: each of {tuple(ATTENTION)}, got {args.attention!r}")
@@ -107,35 +122,37 @@ def main() -> None:
         return
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "torch": torch.__version__}),
+    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "torch": torch.__version__,
+                      "compile_mode": args.compile_mode, "coordinate_descent": args.coordinate_descent}),
           flush=True)
     rows = []
     with torch.no_grad():
         for preset in args.presets.split(","):
             max_len = max(args.prompt, args.context + args.steps + 16)
             base, branch = models(preset, max_len, args.extra)
-            pre = {name: bench_prefill(m, args.prompt) for name, m in (("baseline", base), ("branch", branch))}
-            r = {"kind": "prefill", "preset": preset, "prompt": args.prompt,
-                 "baseline": as_dict(pre["baseline"]), "branch": as_dict(pre["branch"]),
-                 "ratio": pre["branch"].ms / pre["baseline"].ms}
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            if not args.no_prefill:
+                pre = {name: bench_prefill(m, args.prompt) for name, m in (("baseline", base), ("branch", branch))}
+                r = {"kind": "prefill", "preset": preset, "prompt": args.prompt,
+                     "baseline": as_dict(pre["baseline"]), "branch": as_dict(pre["branch"]),
+                     "ratio": pre["branch"].ms / pre["baseline"].ms}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
             for b in [int(x) for x in args.batches.split(",")]:
                 refs = {}  # the baseline has no branch rows: SDPA's placement of them changes nothing
                 for mode in modes:
                     use(mode)  # read when the step is traced (a new engine per call)
-                    kernel = layers.DECODE_ATTENTION
+                    kernel = ATTENTION[mode][0::2]
                     if kernel not in refs:
-                        refs[kernel] = bench_decode(base, b, args.context, args.steps, bw)
+                        refs[kernel] = bench_decode(base, b, args.context, args.steps, bw, compile_mode=args.compile_mode)
                     ref = refs[kernel]
-                    dec = bench_decode(branch, b, args.context, args.steps, bw)
+                    dec = bench_decode(branch, b, args.context, args.steps, bw, compile_mode=args.compile_mode)
                     r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "attention": mode,
                          "baseline": as_dict(ref), "branch": as_dict(dec), "ratio": dec.ms_per_step / ref.ms_per_step}
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             if args.profile:
-                runs = [(f"{name} ({mode})", m, mode) for mode in modes
-                        for name, m in (("baseline", base), ("branch", branch))]
+                mode = modes[0]  # each profile compiles its own step: the first kernel listed only
+                runs = [(f"{name} ({mode})", m, mode) for name, m in (("baseline", base), ("branch", branch))]
                 for name, m, mode in runs:
                     use(mode)
                     prof = profile_decode(m, args.context)

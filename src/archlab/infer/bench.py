@@ -100,10 +100,10 @@ def bench_prefill(model, prompt: int, batch: int = 1, reps: int = 10) -> Prefill
 
 
 def bench_decode(model, batch: int, context: int, steps: int = 100, bandwidth: float | None = None,
-                 dtype_bytes: int | None = None) -> DecodeResult:
+                 dtype_bytes: int | None = None, compile_mode: str | None = None) -> DecodeResult:
     """Decode steps of ``batch`` sequences whose caches hold ``context`` tokens (the step's position
-    advances by one each step, starting at ``context``)."""
-    eng = Engine(model, slots=batch, max_len=context + steps + 16)
+    advances by one each step, starting at ``context``); ``compile_mode`` is the engine's."""
+    eng = Engine(model, slots=batch, max_len=context + steps + 16, compile_mode=compile_mode)
     prompts = [prompt_tokens(context, model.cfg.vocab_size, seed=i) for i in range(batch)]
     eng.prefill(list(range(batch)), prompts, [SamplingParams(max_new_tokens=steps + 1, temperature=0)] * batch)
     timer = _timer(eng.device)

@@ -66,7 +66,7 @@ class Request:
 
 class Engine:
     def __init__(self, model: Transformer, slots: int = 8, max_len: int | None = None,
-                 compile: bool | None = None, sync_every: int = 16):
+                 compile: bool | None = None, sync_every: int = 16, compile_mode: str | None = None):
         self.model = model.eval()
         cfg = model.cfg
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -96,7 +96,10 @@ class Engine:
             # One compiled prefill per (batch, bucket) shape and two decode variants: more than
             # dynamo's default of 8 cached graphs per function.
             _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
-            self._decode_fn = torch.compile(self._decode_impl, dynamic=False)
+            # ``compile_mode``: torch.compile's mode for the decode step, e.g.
+            # "max-autotune-no-cudagraphs" (inductor times its Triton matmul templates against
+            # cuBLAS per shape; the engine captures the graph itself).
+            self._decode_fn = torch.compile(self._decode_impl, dynamic=False, mode=compile_mode)
         else:
             self._decode_fn = self._decode_impl
 

@@ -1,0 +1,95 @@
+"""How close a decode step's matrix-vector products come to the copy bandwidth, per weight shape.
+
+    python benchmarks/gemv_bandwidth.py --preset 1b --batches 1,8
+
+A decode step at batch 1 to 8 is a chain of skinny matmuls (``x [B, d] @ W.T``), each of which
+must read its whole weight once; the step's roofline assumes they read at the copy bandwidth. This
+times each distinct weight shape of a preset's layer (and the unembedding) the way the engine's
+graph-captured step runs them, back to back inside one CUDA graph of ``--reps`` calls, so launch
+gaps count as they do in decoding, and prints the achieved bytes/s against the measured copy
+bandwidth. Prints a Markdown table; ``--json`` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from archlab.config import make_config  # noqa: E402
+from archlab.infer.bench import copy_bandwidth  # noqa: E402
+from archlab.model.core.spec import layer_specs  # noqa: E402
+
+
+def shapes(preset: str) -> list[tuple[str, int, int]]:
+    """(name, in features, out features) of the first layer's weights and the unembedding."""
+    cfg = make_config(preset).model
+    s = layer_specs(cfg)[0]
+    return [("wqkv", s.d, s.q_dim + 2 * s.kv_dim), ("wo", s.q_dim, s.d), ("w_gate_up", s.d, 2 * s.hidden),
+            ("w_down", s.hidden, s.d), ("lm_head", s.d, cfg.vocab_size)]
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Milliseconds per call of ``fn`` replayed ``reps`` times in one captured CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gemv_bandwidth: no CUDA device; nothing to measure")
+        return
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    rows = []
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| weight | shape (in x out) | MB | batch | us per call | TB/s | of copy bandwidth |")
+    print("|---|---|---|---|---|---|---|")
+    for name, k, n in shapes(args.preset):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        for b in [int(x) for x in args.batches.split(",")]:
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(b, n, device=dev, dtype=torch.bfloat16)
+            ms = graph_ms(lambda: torch.matmul(x, w.t(), out=out), args.reps)
+            nbytes = w.numel() * 2
+            r = {"weight": name, "in": k, "out": n, "batch": b, "us": ms * 1e3, "TBps": nbytes / (ms / 1e3) / 1e12,
+                 "frac_of_copy": nbytes / (ms / 1e3) / bw}
+            rows.append(r)
+            print(f"| {name} | {k} x {n} | {nbytes / 1e6:.1f} | {b} | {r['us']:.1f} | {r['TBps']:.2f} | "
+                  f"{r['frac_of_copy']:.1%} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
