@@ -85,11 +85,31 @@ def profile_decode(model, context: int, steps: int = 20) -> dict:
         for _ in range(steps):
             eng._step_body(True)
         torch.cuda.synchronize()
-    kernels = [(e.self_device_time_total / 1e3 / steps, e.count / steps, e.key[:80])
+    return _kernel_table(prof, steps)
+
+
+def profile_prefill(model, prompt: int, reps: int = 3) -> dict:
+    """GPU kernels of one compiled prefill of a ``prompt``-token prompt (uncaptured)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = Engine(model, slots=1, max_len=max(prompt + 1, model.cfg.max_seq_len))
+    tokens = prompt_tokens(prompt, model.cfg.vocab_size)
+    eng.prefill([0], [tokens], [SamplingParams(max_new_tokens=1)])  # compiles and captures
+    runner = next(iter(eng._prefills.values()))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            runner._body()
+        torch.cuda.synchronize()
+    return _kernel_table(prof, reps)
+
+
+def _kernel_table(prof, calls: int) -> dict:
+    kernels = [(e.self_device_time_total / 1e3 / calls, e.count / calls, e.key[:80])
                for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.self_device_time_total > 0]
     return {"kernels_per_step": sum(k[1] for k in kernels), "gpu_busy_ms": sum(k[0] for k in kernels),
-            "top": sorted(kernels, reverse=True)[:12]}
+            "top": sorted(kernels, reverse=True)[:14]}
 
 
 def main() -> None:
@@ -109,6 +129,8 @@ def main() -> None:
     ap.add_argument("--coordinate-descent", action="store_true",
                     help="inductor's coordinate-descent tuning of its generated kernels (as gpt-fast sets)")
     ap.add_argument("--no-prefill", action="store_true", help="decode rows only")
+    ap.add_argument("--no-decode", action="store_true", help="prefill rows only")
+    ap.add_argument("--profile-prefill", action="store_true", help="also profile one prefill of each model")
     args = ap.parse_args()
     if args.coordinate_descent:
         import torch._inductor.config as inductor_config
@@ -137,7 +159,14 @@ def main() -> None:
                      "ratio": pre["branch"].ms / pre["baseline"].ms}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-            for b in [int(x) for x in args.batches.split(",")]:
+            if args.profile_prefill:
+                for name, m in (("baseline", base), ("branch", branch)):
+                    prof = profile_prefill(m, args.prompt)
+                    print(f"\nprofile {preset} {name} prefill {args.prompt}: {prof['kernels_per_step']:.0f} kernels, "
+                          f"GPU busy {prof['gpu_busy_ms']:.3f} ms")
+                    for ms, count, key in prof["top"]:
+                        print(f"  {ms:7.4f} ms  x{count:4.1f}  {key}")
+            for b in ([] if args.no_decode else [int(x) for x in args.batches.split(",")]):
                 refs = {}  # the baseline has no branch rows: SDPA's placement of them changes nothing
                 for mode in modes:
                     use(mode)  # read when the step is traced (a new engine per call)

@@ -123,3 +123,25 @@ def test_mismatched_shapes_are_refused(kernel):
     q = torch.zeros(2, 6, 1, 16)
     with pytest.raises(ValueError, match="does not fit"):
         kernel.decode_attention(q, torch.zeros(2, 4, 8, 16), torch.zeros(2, 4, 8, 16), torch.ones(2))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_each_query_row_may_have_its_own_length(kernel, kernel_device, splits):
+    """A prefill's appended follower rows ask ``lengths`` [B, G]: a row shorter than its
+    sequence's longest sees only its own slots, including where a whole split lies past it."""
+    dev = kernel_device
+    q, k, v, _, s = draw(2, 4, 2, 3, 16, 300, True, seed=4)
+    lengths = torch.tensor([[1, 300, 40], [299, 7, 130]])
+    want = attention_float64_rows(q, k, v, lengths, s)
+    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), lengths.to(dev), s.to(dev), splits=splits)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
+    ref = kernel.decode_attention_reference(q, k, v, lengths, s)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=2e-6)
+
+
+def attention_float64_rows(q, k, v, lengths, sink):
+    """``attention_float64`` row by row, each row with its own length."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for g in range(q.shape[2]):
+        out[:, :, g:g + 1] = attention_float64(q[:, :, g:g + 1], k, v, lengths[:, g], sink)
+    return out

@@ -3,7 +3,8 @@ kernel (flash-decoding).
 
 A decode step asks, per sequence, ``G`` queries (the primary row and, with the decode branch, its
 follower rows, all at the sequence's newest position) of a cache whose first ``lengths[b]`` slots
-are filled. PyTorch's SDPA needs that as a boolean mask over every slot of the static cache, and
+are filled; a prefill's appended follower rows ask the same of the prompt's keys. Each query row
+may have its own length (``lengths`` [B, G]). PyTorch's SDPA needs that as a boolean mask over every slot of the static cache, and
 measured on an H200 it then picks its kernel by the query count: one query gets a decode kernel
 (5 us per 124m layer), two get a prefill kernel with 64-row tiles (21 us), so the decode branch's
 second row cost more than all its matmuls (docs/benchmarks.md, seventh session). This kernel
@@ -13,7 +14,8 @@ instead:
   query heads of a grouped-query head and the ``G`` rows of the sequence are the ``M`` rows of
   one tile, so one row or several cost the same bytes (the rows cost only tensor-core work that
   the tile pads to 16 rows anyway);
-* stops at ``lengths[b]`` instead of masking the rest of the cache (no mask tensor is built);
+* stops at the longest of a sequence's lengths instead of masking the rest of the cache (no mask
+  tensor is built);
 * optionally splits the filled slots over ``splits`` programs per head (flash-decoding) so that a
   small batch still occupies the GPU; a second small kernel merges the splits' partial softmax
   sums. With one split the first kernel writes the output itself (one launch).
@@ -40,16 +42,18 @@ LOG2E = 1.4426950408889634
 
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor,
                                sink: Tensor | None = None) -> Tensor:
-    """Eager reference: ``q`` [B, Hq, G, D] against ``k``/``v`` [B, Hkv, S, D], where row ``b``
-    sees slots ``< lengths[b]``; ``sink`` [Hq] one more logit per head with a zero value.
-    Returns [B, Hq, G, D] in ``q``'s dtype (computed in fp32)."""
+    """Eager reference: ``q`` [B, Hq, G, D] against ``k``/``v`` [B, Hkv, S, D], where query row
+    ``(b, g)`` sees slots ``< lengths[b, g]`` (``lengths`` [B, G], or [B] for all rows of a
+    sequence); ``sink`` [Hq] one more logit per head with a zero value. Returns [B, Hq, G, D] in
+    ``q``'s dtype (computed in fp32)."""
     b, hq, g, d = q.shape
     rep = hq // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     scores = (q.float() @ kf.transpose(-1, -2)) * d ** -0.5  # [B, Hq, G, S]
-    visible = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]  # [B, S]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lengths = lengths.view(b, -1).expand(b, g)
+    visible = torch.arange(k.shape[2], device=q.device) < lengths[:, :, None]  # [B, G, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
     if sink is not None:
         scores = torch.cat([sink.float().view(1, hq, 1, 1).expand(b, hq, g, 1), scores], dim=-1)
         vf = torch.cat([vf.new_zeros(b, hq, 1, d), vf], dim=2)
@@ -59,7 +63,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor,
 @triton.jit
 def _decode_attn_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, sink_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-    stride_qb, stride_qh, stride_qg,
+    stride_lb, stride_lg, stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_og,
@@ -73,13 +77,13 @@ def _decode_attn_kernel(
     split = tl.program_id(1)
     b = pid // n_kv_heads
     kvh = pid % n_kv_heads
-    length = tl.load(len_ptr + b)
-
     rows = tl.arange(0, BLOCK_M)  # row r: query head kvh * REP + r // G, row r % G of it
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < REP * G
     col_ok = cols < D
     head = kvh * REP + rows // G
+    row_len = tl.load(len_ptr + b * stride_lb + (rows % G) * stride_lg, mask=row_ok, other=0)
+    length = tl.max(row_len, 0)
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + (rows % G)[:, None] * stride_qg
                 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
 
@@ -99,10 +103,13 @@ def _decode_attn_kernel(
             s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = tl.where(n_ok[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(n_ok[None, :] & (n[None, :] < row_len[:, None]), s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row that has seen no slot yet (shorter than its sequence's longest) keeps max -inf;
+        # subtracting 0 instead keeps its weights 0 rather than NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_base + n[:, None] * stride_vs + cols[None, :], mask=n_ok[:, None] & col_ok[None, :],
                      other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -120,7 +127,7 @@ def _decode_attn_kernel(
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.exp2(s_sink - m_new)
             acc = acc * alpha[:, None]
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding rows, never stored
         tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + (rows % G)[:, None] * stride_og
                  + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
@@ -139,7 +146,8 @@ def _merge_splits_kernel(
     SPLITS: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """One program per (sequence x key/value head): the splits' softmax sums rescaled to their
-    common maximum and added (an empty split has max -inf and sum 0, and weighs 0)."""
+    common maximum and added (an empty split has max -inf and sum 0, and weighs 0; every row's
+    maximum is finite, since split 0 holds its slot 0)."""
     pid = tl.program_id(0)
     b = pid // n_kv_heads
     kvh = pid % n_kv_heads
@@ -154,16 +162,17 @@ def _merge_splits_kernel(
         m = s_sink
     for s in range(SPLITS):
         m = tl.maximum(m, tl.load(ml + s * 2 * BLOCK_M + rows))
+    m = tl.where(m == float("-inf"), 0.0, m)  # padding rows only (their weights stay 0)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if HAS_SINK:
         l = tl.exp2(s_sink - m)
     for s in range(SPLITS):
-        w = tl.exp2(tl.load(ml + s * 2 * BLOCK_M + rows) - m)  # split 0 always holds slot 0: m is finite
+        w = tl.exp2(tl.load(ml + s * 2 * BLOCK_M + rows) - m)
         l += w * tl.load(ml + s * 2 * BLOCK_M + BLOCK_M + rows)
         acc += w[:, None] * tl.load(part_o_ptr + (pid * SPLITS + s) * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D
                                     + cols[None, :])
-    out = acc / l[:, None]
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + (rows % G)[:, None] * stride_og + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < D)[None, :])
 
@@ -181,10 +190,11 @@ def default_splits(batch: int, kv_heads: int, slots: int) -> int:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Tensor | None = None,
                      splits: int | None = None) -> Tensor:
-    """``q`` [B, Hq, G, D] (G rows per sequence, all at its newest position) against the cache
-    ``k``/``v`` [B, Hkv, S, D] (last dimension contiguous), row ``b`` seeing slots
-    ``< lengths[b]`` (at least 1); ``sink`` [Hq] or None. Returns [B, Hq, G, D] in ``q``'s dtype.
-    Equal to ``decode_attention_reference`` up to rounding."""
+    """``q`` [B, Hq, G, D] (G query rows per sequence) against the cache ``k``/``v``
+    [B, Hkv, S, D] (last dimension contiguous), query row ``(b, g)`` seeing slots
+    ``< lengths[b, g]`` (``lengths`` [B, G], or [B] for all rows of a sequence; each at least 1);
+    ``sink`` [Hq] or None. Returns [B, Hq, G, D] in ``q``'s dtype. Equal to
+    ``decode_attention_reference`` up to rounding."""
     b, hq, g, d = q.shape
     kvh, slots = k.shape[1], k.shape[2]
     if hq % kvh or k.shape[0] != b or v.shape != k.shape or k.shape[3] != d:
@@ -206,12 +216,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Ten
         part_ml = torch.empty(b * kvh * splits * 2 * block_m, device=q.device, dtype=torch.float32)
     else:
         part_o = part_ml = out  # not written
-    lengths = lengths.to(torch.int32)
+    lengths = lengths.to(torch.int32).view(b, -1)  # [B, 1] (stride 0 over G below) or [B, G]
+    if lengths.shape[1] not in (1, g):
+        raise ValueError(f"decode_attention: lengths {tuple(lengths.shape)} for {g} rows per sequence")
+    stride_lg = lengths.stride(1) if lengths.shape[1] > 1 else 0
     sink_arg = sink if sink is not None else q
     common = dict(REP=rep, G=g, D=d, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=splits, HAS_SINK=sink is not None)
     _decode_attn_kernel[(b * kvh, splits)](
         q, k, v, lengths, sink_arg, out, part_o, part_ml,
-        q.stride(0), q.stride(1), q.stride(2),
+        lengths.stride(0), stride_lg, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),

@@ -152,7 +152,7 @@ GROUPED_DECODE = "time"
 GROUPED_DECODE_MODES = ("time", "heads")
 
 # Which kernel a decode step's attention over the cache runs (one new position per sequence, any
-# number of rows per sequence): "triton", archlab's decode kernel (``kernels.decode_attention``:
+# number of rows per sequence), and so do a prefill's appended query-only rows: "triton", archlab's decode kernel (``kernels.decode_attention``:
 # reads only the filled slots, once for every row and query head that shares them, no mask),
 # "sdpa", PyTorch's SDPA under the boolean mask (rows placed by ``GROUPED_DECODE``), or "auto":
 # the kernel on CUDA when Triton is installed, SDPA elsewhere (on CPU the kernel runs only in
@@ -381,11 +381,17 @@ class Attention(nn.Module):
             if lead != q.shape[0]:
                 raise ValueError("appended query-only positions need every row to be a primary row")
             # The ordinary queries keep their own path (the fused causal kernel in a prefill);
-            # the few appended ones see their sequence's keys/values up to their position.
-            slots = torch.arange(k.shape[2], device=q.device)
-            mask = (slots <= ctx.rows.appended_positions[:, :, None])[:, None]  # [B, 1, a, S]
+            # the few appended ones see their sequence's keys/values up to their position, as
+            # decode rows do (the decode kernel, or SDPA under a mask).
             o = self._attend_rows(q[:, :, :-a], k, v, ctx, lead)
-            return torch.cat([o, sdpa(q[:, :, -a:], k, v, mask=mask, sink=self.sink)], dim=2)
+            kernel = decode_kernel_for(q.device)
+            if kernel is not None:
+                tail = kernel(q[:, :, -a:], k, v, ctx.rows.appended_positions + 1, self.sink)
+            else:
+                slots = torch.arange(k.shape[2], device=q.device)
+                mask = (slots <= ctx.rows.appended_positions[:, :, None])[:, None]  # [B, 1, a, S]
+                tail = sdpa(q[:, :, -a:], k, v, mask=mask, sink=self.sink)
+            return torch.cat([o, tail], dim=2)
         return self._attend_rows(q, k, v, ctx, lead)
 
     def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
