@@ -145,3 +145,16 @@ def attention_float64_rows(q, k, v, lengths, sink):
     for g in range(q.shape[2]):
         out[:, :, g:g + 1] = attention_float64(q[:, :, g:g + 1], k, v, lengths[:, g], sink)
     return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor compiles user Triton kernels for CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_inside_a_compiled_function(kernel, dtype):
+    """The engine calls the kernel inside a ``torch.compile``d step, where inductor compiles it
+    itself (a Python float argument once reached the kernel as fp64 there and broke it)."""
+    q, k, v, lengths, s = (t.cuda() if t is not None else None for t in draw(2, 8, 2, 2, 64, 300, True, seed=5))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    fn = torch.compile(lambda q, k, v, n, s: kernel.decode_attention(q * 1, k, v, n + 0, s, splits=2), dynamic=False)
+    want = attention_float64(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), s.cpu())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(fn(q, k, v, lengths, s).cpu().double(), want, rtol=tol, atol=tol)

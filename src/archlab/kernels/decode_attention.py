@@ -67,9 +67,9 @@ def _decode_attn_kernel(
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_og,
-    n_kv_heads, split_len, scale_log2,
+    n_kv_heads, split_len,
     REP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, FP32_DOT: tl.constexpr,
+    SCALE_LOG2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """One program per (sequence x key/value head, split): the ``REP * G`` query rows that read
     this head, over this split's filled slots, with an online softmax in base 2."""
@@ -103,7 +103,7 @@ def _decode_attn_kernel(
             s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = tl.where(n_ok[None, :] & (n[None, :] < row_len[:, None]), s * scale_log2, float("-inf"))
+        s = tl.where(n_ok[None, :] & (n[None, :] < row_len[:, None]), s * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no slot yet (shorter than its sequence's longest) keeps max -inf;
         # subtracting 0 instead keeps its weights 0 rather than NaN.
@@ -228,8 +228,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Ten
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        kvh, split_len, d ** -0.5 * LOG2E,
-        BLOCK_N=BLOCK_N, FP32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=4, **common,
+        kvh, split_len,
+        SCALE_LOG2=d ** -0.5 * LOG2E, BLOCK_N=BLOCK_N, FP32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=4, **common,
     )
     if splits > 1:
         _merge_splits_kernel[(b * kvh,)](
