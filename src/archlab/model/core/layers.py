@@ -141,20 +141,20 @@ class RoPE(nn.Module):
 
 
 # ---- attention -----------------------------------------------------------------------------------
-# Where grouped decode puts a sequence's follower rows (the decode branch) in its one attention
-# call over the cache: "time", as more queries of the sequence (the default, measured on the
-# H200: with 2 queries cuDNN picks a prefill kernel with 64-row query tiles, 21 us per 124m layer
-# against 5 us for one query, docs/benchmarks.md seventh session), or "heads", as more query heads
-# of one query each (grouped-query attention over the same key/value heads), which keeps the
-# 1-query decode kernel; not yet timed on a GPU. `benchmarks/decode_latency.py --grouped` compares
-# them in one call. Read when a step is traced: set it before compiling.
-GROUPED_DECODE = "time"
+# Where grouped decode on SDPA (``DECODE_ATTENTION = "sdpa"``) puts a sequence's follower rows (the
+# decode branch) in its one attention call over the cache: "heads", as more query heads of one
+# query each (grouped-query attention over the same key/value heads), which keeps SDPA's 1-query
+# decode kernel (the default), or "time", as more queries of the sequence, where cuDNN picks a
+# prefill kernel with 64-row query tiles. Measured on an H200 (docs/benchmarks.md, eighth
+# session), branch / baseline decode at batch 1: 1.17 with "heads" against 1.51 with "time" at
+# 124m, 1.09 against 1.33 at 1b. Read when a step is traced: set it before compiling.
+GROUPED_DECODE = "heads"
 GROUPED_DECODE_MODES = ("time", "heads")
 
 # Which kernel a decode step's attention over the cache runs (one new position per sequence, any
-# number of rows per sequence), and so do a prefill's appended query-only rows: "triton", archlab's decode kernel (``kernels.decode_attention``:
-# reads only the filled slots, once for every row and query head that shares them, no mask),
-# "sdpa", PyTorch's SDPA under the boolean mask (rows placed by ``GROUPED_DECODE``), or "auto":
+# number of rows per sequence), and so do a prefill's appended query-only rows: "triton",
+# archlab's decode kernel (``kernels.decode_attention``: reads only the filled slots, once for
+# every row and query head that shares them, no mask), "sdpa", PyTorch's SDPA under the boolean mask (rows placed by ``GROUPED_DECODE``), or "auto":
 # the kernel on CUDA when Triton is installed, SDPA elsewhere (on CPU the kernel runs only in
 # Triton's interpreter, for tests). Read when a step is traced: set it before compiling.
 DECODE_ATTENTION = "auto"
