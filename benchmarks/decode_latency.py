@@ -172,7 +172,8 @@ def main() -> None:
                     use(mode)  # read when the step is traced (a new engine per call)
                     kernel = ATTENTION[mode][0::2]
                     if kernel not in refs:
-                        refs[kernel] = bench_decode(base, b, args.context, args.steps, bw, compile_mode=args.compile_mode)
+                        refs[kernel] = bench_decode(base, b, args.context, args.steps, bw,
+                                                    compile_mode=args.compile_mode)
                     ref = refs[kernel]
                     dec = bench_decode(branch, b, args.context, args.steps, bw, compile_mode=args.compile_mode)
                     r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "attention": mode,
@@ -200,7 +201,8 @@ def main() -> None:
             print(f"| {r['preset']} | prefill (TTFT) | prompt {r['prompt']} | {b['ms']:.3f} | {d['ms']:.3f} | "
                   f"{r['ratio']:.3f} | {mfu(b)} / {mfu(d)} |")
         else:
-            print(f"| {r['preset']} | decode ({r['attention']}) | batch {r['batch']}, ctx {r['context']} | {b['ms_per_step']:.3f} | "
+            print(f"| {r['preset']} | decode ({r['attention']}) | batch {r['batch']}, ctx {r['context']} | "
+                  f"{b['ms_per_step']:.3f} | "
                   f"{d['ms_per_step']:.3f} | {r['ratio']:.3f} | {b['frac_of_roofline']:.1%} / "
                   f"{d['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} / {d['roofline_ms']:.3f} ms |")
     if args.json:

@@ -9,7 +9,8 @@ graph-captured step runs them, back to back inside one CUDA graph of ``--reps`` 
 gaps count as they do in decoding, and prints the achieved bytes/s against the measured copy
 bandwidth. The calls cycle through copies of the weight that add up to at least 512 MB: one
 weight read again and again would come from the L2 cache (50-60 MB on an H100/H200; a first
-version of this script reported 120% of the copy bandwidth that way). Prints a Markdown table; ``--json`` also writes the rows.
+version of this script reported 120% of the copy bandwidth that way). Prints a Markdown table;
+``--json`` also writes the rows.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ kernel (flash-decoding).
 A decode step asks, per sequence, ``G`` queries (the primary row and, with the decode branch, its
 follower rows, all at the sequence's newest position) of a cache whose first ``lengths[b]`` slots
 are filled; a prefill's appended follower rows ask the same of the prompt's keys. Each query row
-may have its own length (``lengths`` [B, G]). PyTorch's SDPA needs that as a boolean mask over every slot of the static cache, and
-measured on an H200 it then picks its kernel by the query count: one query gets a decode kernel
+may have its own length (``lengths`` [B, G]). PyTorch's SDPA needs that as a boolean mask over
+every slot of the static cache, and measured on an H200 it then picks its kernel by the query count: one query gets a decode kernel
 (5 us per 124m layer), two get a prefill kernel with 64-row tiles (21 us), so the decode branch's
 second row cost more than all its matmuls (docs/benchmarks.md, seventh session). This kernel
 instead:
@@ -69,7 +69,8 @@ def _decode_attn_kernel(
     stride_ob, stride_oh, stride_og,
     n_kv_heads, split_len,
     REP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCALE_LOG2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, FP32_DOT: tl.constexpr,
+    SCALE_LOG2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """One program per (sequence x key/value head, split): the ``REP * G`` query rows that read
     this head, over this split's filled slots, with an online softmax in base 2."""
@@ -229,7 +230,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Ten
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         kvh, split_len,
-        SCALE_LOG2=d ** -0.5 * LOG2E, BLOCK_N=BLOCK_N, FP32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=4, **common,
+        SCALE_LOG2=d ** -0.5 * LOG2E, BLOCK_N=BLOCK_N, FP32_DOT=q.dtype == torch.float32 or interpreting(),
+        num_warps=4, **common,
     )
     if splits > 1:
         _merge_splits_kernel[(b * kvh,)](

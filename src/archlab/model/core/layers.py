@@ -154,9 +154,10 @@ GROUPED_DECODE_MODES = ("time", "heads")
 # Which kernel a decode step's attention over the cache runs (one new position per sequence, any
 # number of rows per sequence), and so do a prefill's appended query-only rows: "triton",
 # archlab's decode kernel (``kernels.decode_attention``: reads only the filled slots, once for
-# every row and query head that shares them, no mask), "sdpa", PyTorch's SDPA under the boolean mask (rows placed by ``GROUPED_DECODE``), or "auto":
-# the kernel on CUDA when Triton is installed, SDPA elsewhere (on CPU the kernel runs only in
-# Triton's interpreter, for tests). Read when a step is traced: set it before compiling.
+# every row and query head that shares them, no mask), "sdpa", PyTorch's SDPA under the boolean
+# mask (rows placed by ``GROUPED_DECODE``), or "auto": the kernel on CUDA when Triton is
+# installed, SDPA elsewhere (on CPU the kernel runs only in Triton's interpreter, for tests).
+# Read when a step is traced: set it before compiling.
 DECODE_ATTENTION = "auto"
 DECODE_ATTENTION_MODES = ("auto", "sdpa", "triton")
 
