@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from archlab.kernels.appended_coupling import couple_appended_
 from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
 from archlab.model.core.rows import PrimaryRows, last_of
@@ -149,21 +150,23 @@ class AppendedPass(Pass):
     def __init__(self, blocks: "list[Block]", lengths: Tensor, n_branches: int) -> None:
         self.blocks = blocks
         self.appended = n_branches
+        self.lengths = lengths
         self.appended_positions = (lengths - 1)[:, None].expand(-1, n_branches)
 
     def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
         couple = _coupling(self.blocks, visit, name)
         if couple is None:
             return x
-        a = self.appended
-        src = self.anchor(x[:, :-a])  # [B, a, D]: the primary's value at each follower's position
-        f = couple.on_time_axis(src, x[:, -a:])
-        if torch.is_grad_enabled():  # autograd forbids writing into a split's view (``q``)
-            return torch.cat([x[:, :-a], f.to(x.dtype)], dim=1)
-        # In place on the few appended positions: a concatenation would copy the whole activation
-        # at every tap. The primary part keeps its dtype (and the baseline's values).
-        x[:, -a:] = f
-        return x
+        if not torch.is_grad_enabled():
+            # In place on the few appended positions, as one op that declares its mutation: a
+            # concatenation, or a plain in-place write under torch.compile, copied the whole
+            # activation at every tap (kernels/appended_coupling.py). The primary part keeps its
+            # dtype and the baseline's values.
+            couple_appended_(x, couple.a, self.lengths)
+            return x
+        a = self.appended  # autograd forbids writing into a split's view (``q``): a new tensor
+        f = couple.on_time_axis(self.anchor(x[:, :-a]), x[:, -a:])
+        return torch.cat([x[:, :-a], f.to(x.dtype)], dim=1)
 
 
 class BranchRows(PrimaryRows):
