@@ -173,6 +173,7 @@ def decode_kernel_for(device: torch.device):
         raise RuntimeError("DECODE_ATTENTION='triton' needs triton (pip install 'archlab[triton]')")
     return _decode_attention_kernel
 
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
          sink: Tensor | None = None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads (k/v may have fewer heads).
