@@ -37,6 +37,21 @@ COST_KEYS: tuple[str, ...] = (
     "decode_bytes_per_step",
 )
 
+def _finished_results_only(table: str, noun: str) -> tuple[str, str, str]:
+    """Triggers that make ``table`` append-only results of finished runs: an insert for a run that
+    is not finished, any update and any delete abort with one line naming the ``noun``. (The SQL
+    text is what earlier versions wrote out for each table, so migrated databases hold the same.)"""
+    return (
+        f"""CREATE TRIGGER {table}_of_finished_runs_only BEFORE INSERT ON {table}
+       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
+       BEGIN SELECT RAISE(ABORT, 'archlab: {noun} results belong to a finished run'); END""",
+        f"""CREATE TRIGGER {table}_no_update BEFORE UPDATE ON {table}
+       BEGIN SELECT RAISE(ABORT, 'archlab: a {noun} result is never overwritten'); END""",
+        f"""CREATE TRIGGER {table}_no_delete BEFORE DELETE ON {table}
+       BEGIN SELECT RAISE(ABORT, 'archlab: a {noun} result is never deleted'); END""",
+    )
+
+
 # The schema of each version as the statements that build it from the previous one. Never edit a
 # released step (databases in the field were built by it); add a step and bump SCHEMA_VERSION.
 _SCHEMA_V1: tuple[str, ...] = (
@@ -102,13 +117,7 @@ _SCHEMA_V2: tuple[str, ...] = (
         evaluated_at REAL NOT NULL,
         PRIMARY KEY (run_id, task, item_limit)
     )""",
-    """CREATE TRIGGER downstream_of_finished_runs_only BEFORE INSERT ON downstream
-       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
-       BEGIN SELECT RAISE(ABORT, 'archlab: downstream results belong to a finished run'); END""",
-    """CREATE TRIGGER downstream_no_update BEFORE UPDATE ON downstream
-       BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never overwritten'); END""",
-    """CREATE TRIGGER downstream_no_delete BEFORE DELETE ON downstream
-       BEGIN SELECT RAISE(ABORT, 'archlab: a downstream result is never deleted'); END""",
+    *_finished_results_only("downstream", "downstream"),
 )
 
 _SCHEMA_V3: tuple[str, ...] = (
@@ -146,13 +155,7 @@ _SCHEMA_V4: tuple[str, ...] = (
         measured_at REAL NOT NULL,
         PRIMARY KEY (run_id, phase, batch, requested)
     )""",
-    """CREATE TRIGGER latency_of_finished_runs_only BEFORE INSERT ON latency
-       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
-       BEGIN SELECT RAISE(ABORT, 'archlab: latency results belong to a finished run'); END""",
-    """CREATE TRIGGER latency_no_update BEFORE UPDATE ON latency
-       BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never overwritten'); END""",
-    """CREATE TRIGGER latency_no_delete BEFORE DELETE ON latency
-       BEGIN SELECT RAISE(ABORT, 'archlab: a latency result is never deleted'); END""",
+    *_finished_results_only("latency", "latency"),
 )
 
 _SCHEMA_V5: tuple[str, ...] = (
@@ -167,13 +170,7 @@ _SCHEMA_V5: tuple[str, ...] = (
         evaluated_at REAL NOT NULL,
         PRIMARY KEY (run_id, corpus)
     )""",
-    """CREATE TRIGGER heldout_of_finished_runs_only BEFORE INSERT ON heldout
-       WHEN (SELECT status FROM runs WHERE run_id = NEW.run_id) IS NOT 'finished'
-       BEGIN SELECT RAISE(ABORT, 'archlab: held-out results belong to a finished run'); END""",
-    """CREATE TRIGGER heldout_no_update BEFORE UPDATE ON heldout
-       BEGIN SELECT RAISE(ABORT, 'archlab: a held-out result is never overwritten'); END""",
-    """CREATE TRIGGER heldout_no_delete BEFORE DELETE ON heldout
-       BEGIN SELECT RAISE(ABORT, 'archlab: a held-out result is never deleted'); END""",
+    *_finished_results_only("heldout", "held-out"),
 )
 
 # _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
