@@ -67,11 +67,11 @@ def test_kernel_equals_float64_attention(kernel, kernel_device, b, hq, kvh, g, d
     q, k, v, lengths, s = draw(b, hq, kvh, g, d, slots, sink)
     want = attention_float64(q, k, v, lengths, s)
     dev = kernel_device
-    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), lengths.to(dev),
+    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev),
                                   None if s is None else s.to(dev), splits=splits)
     assert got.shape == q.shape and got.dtype == q.dtype
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
-    ref = kernel.decode_attention_reference(q, k, v, lengths, s)
+    ref = kernel.decode_attention_reference(q, k, v, lengths - 1, s)
     torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=2e-6)
 
 
@@ -84,7 +84,8 @@ def test_kernel_reads_strided_views_of_the_cache_and_queries(kernel, kernel_devi
     big_k[:2, :, :96] = k
     q_perm = q.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # [B, H, G, D], rows outermost
     assert not q_perm.is_contiguous()
-    got = kernel.decode_attention(q_perm.to(dev), big_k[:2, :, :96].to(dev), v.to(dev), lengths.to(dev), s.to(dev))
+    got = kernel.decode_attention(q_perm.to(dev), big_k[:2, :, :96].to(dev), v.to(dev), (lengths - 1).to(dev),
+                                  s.to(dev))
     torch.testing.assert_close(got.cpu().double(), attention_float64(q, k, v, lengths, s), rtol=1e-5, atol=2e-6)
 
 
@@ -98,7 +99,7 @@ def test_slots_past_the_length_are_never_read(kernel, kernel_device):
         k[i, :, n:] = float("nan")
         v[i, :, n:] = float("inf")
     for splits in (1, 3):
-        got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), lengths.to(dev), splits=splits)
+        got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), splits=splits)
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
 
 
@@ -107,7 +108,7 @@ def test_bfloat16_inputs_within_bfloat16_rounding(kernel, kernel_device):
     q, k, v, lengths, s = draw(2, 8, 2, 2, 64, 300, True, seed=3)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     want = attention_float64(q, k, v, lengths, s)
-    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), lengths.to(dev), s.to(dev), splits=2)
+    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), s.to(dev), splits=2)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
 
@@ -122,7 +123,8 @@ def test_default_splits_fill_the_gpu_without_short_splits(kernel):
 def test_mismatched_shapes_are_refused(kernel):
     q = torch.zeros(2, 6, 1, 16)
     with pytest.raises(ValueError, match="does not fit"):
-        kernel.decode_attention(q, torch.zeros(2, 4, 8, 16), torch.zeros(2, 4, 8, 16), torch.ones(2))
+        kernel.decode_attention(q, torch.zeros(2, 4, 8, 16), torch.zeros(2, 4, 8, 16),
+                                torch.zeros(2, dtype=torch.long))
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -133,9 +135,9 @@ def test_each_query_row_may_have_its_own_length(kernel, kernel_device, splits):
     q, k, v, _, s = draw(2, 4, 2, 3, 16, 300, True, seed=4)
     lengths = torch.tensor([[1, 300, 40], [299, 7, 130]])
     want = attention_float64_rows(q, k, v, lengths, s)
-    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), lengths.to(dev), s.to(dev), splits=splits)
+    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), s.to(dev), splits=splits)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
-    ref = kernel.decode_attention_reference(q, k, v, lengths, s)
+    ref = kernel.decode_attention_reference(q, k, v, lengths - 1, s)
     torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=2e-6)
 
 
@@ -154,7 +156,7 @@ def test_kernel_inside_a_compiled_function(kernel, dtype):
     itself (a Python float argument once reached the kernel as fp64 there and broke it)."""
     q, k, v, lengths, s = (t.cuda() if t is not None else None for t in draw(2, 8, 2, 2, 64, 300, True, seed=5))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    fn = torch.compile(lambda q, k, v, n, s: kernel.decode_attention(q * 1, k, v, n + 0, s, splits=2), dynamic=False)
+    fn = torch.compile(lambda q, k, v, n, s: kernel.decode_attention(q * 1, k, v, n - 1, s, splits=2), dynamic=False)
     want = attention_float64(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), s.cpu())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(fn(q, k, v, lengths, s).cpu().double(), want, rtol=tol, atol=tol)

@@ -2,20 +2,22 @@
 kernel (flash-decoding).
 
 A decode step asks, per sequence, ``G`` queries (the primary row and, with the decode branch, its
-follower rows, all at the sequence's newest position) of a cache whose first ``lengths[b]`` slots
-are filled; a prefill's appended follower rows ask the same of the prompt's keys. Each query row
-may have its own length (``lengths`` [B, G]). PyTorch's SDPA needs that as a boolean mask over
-every slot of the static cache, and measured on an H200 it then picks its kernel by the query count: one query gets a decode kernel
-(5 us per 124m layer), two get a prefill kernel with 64-row tiles (21 us), so the decode branch's
-second row cost more than all its matmuls (docs/benchmarks.md, seventh session). This kernel
-instead:
+follower rows, all at the sequence's newest position ``last[b]``) of a cache whose slots up to
+that position are filled; a prefill's appended follower rows ask the same of the prompt's keys.
+Each query row may have its own last slot (``last`` [B, G]). PyTorch's SDPA needs that as a
+boolean mask over every slot of the static cache, and measured on an H200 it then picks its
+kernel by the query count: one query gets a decode kernel (5 us per 124m layer), two get a
+prefill kernel with 64-row tiles (21 us), so the decode branch's second row cost more than all
+its matmuls (docs/benchmarks.md, seventh session). This kernel instead:
 
 * reads each key/value head's filled slots once for every query that uses it: the ``Hq / Hkv``
   query heads of a grouped-query head and the ``G`` rows of the sequence are the ``M`` rows of
   one tile, so one row or several cost the same bytes (the rows cost only tensor-core work that
   the tile pads to 16 rows anyway);
-* stops at the longest of a sequence's lengths instead of masking the rest of the cache (no mask
-  tensor is built);
+* stops after the furthest of a sequence's last slots instead of masking the rest of the cache
+  (no mask tensor is built). It takes the positions themselves (the engine's position buffer,
+  any integer dtype), not lengths computed from them: inductor hands a kernel only realised
+  buffers, and would compute ``positions + 1`` again for every layer, one more launch each;
 * optionally splits the filled slots over ``splits`` programs per head (flash-decoding) so that a
   small batch still occupies the GPU; a second small kernel merges the splits' partial softmax
   sums. With one split the first kernel writes the output itself (one launch).
@@ -40,19 +42,19 @@ from archlab.kernels import interpreting
 LOG2E = 1.4426950408889634
 
 
-def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor,
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, last: Tensor,
                                sink: Tensor | None = None) -> Tensor:
     """Eager reference: ``q`` [B, Hq, G, D] against ``k``/``v`` [B, Hkv, S, D], where query row
-    ``(b, g)`` sees slots ``< lengths[b, g]`` (``lengths`` [B, G], or [B] for all rows of a
-    sequence); ``sink`` [Hq] one more logit per head with a zero value. Returns [B, Hq, G, D] in
+    ``(b, g)`` sees slots ``<= last[b, g]`` (``last`` [B, G], or [B] or [B, 1] for all rows of
+    a sequence); ``sink`` [Hq] one more logit per head with a zero value. Returns [B, Hq, G, D] in
     ``q``'s dtype (computed in fp32)."""
     b, hq, g, d = q.shape
     rep = hq // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     scores = (q.float() @ kf.transpose(-1, -2)) * d ** -0.5  # [B, Hq, G, S]
-    lengths = lengths.view(b, -1).expand(b, g)
-    visible = torch.arange(k.shape[2], device=q.device) < lengths[:, :, None]  # [B, G, S]
+    last = last.reshape(b, -1).expand(b, g)
+    visible = torch.arange(k.shape[2], device=q.device) <= last[:, :, None]  # [B, G, S]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     if sink is not None:
         scores = torch.cat([sink.float().view(1, hq, 1, 1).expand(b, hq, g, 1), scores], dim=-1)
@@ -62,7 +64,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor,
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, sink_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, last_ptr, sink_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     stride_lb, stride_lg, stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -83,7 +85,7 @@ def _decode_attn_kernel(
     row_ok = rows < REP * G
     col_ok = cols < D
     head = kvh * REP + rows // G
-    row_len = tl.load(len_ptr + b * stride_lb + (rows % G) * stride_lg, mask=row_ok, other=0)
+    row_len = (tl.load(last_ptr + b * stride_lb + (rows % G) * stride_lg, mask=row_ok, other=-1) + 1).to(tl.int32)
     length = tl.max(row_len, 0)
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + (rows % G)[:, None] * stride_qg
                 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -189,11 +191,12 @@ def default_splits(batch: int, kv_heads: int, slots: int) -> int:
     return max(1, min(math.ceil(TARGET_PROGRAMS / (batch * kv_heads)), slots // MIN_SPLIT))
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Tensor | None = None,
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, sink: Tensor | None = None,
                      splits: int | None = None) -> Tensor:
     """``q`` [B, Hq, G, D] (G query rows per sequence) against the cache ``k``/``v``
     [B, Hkv, S, D] (last dimension contiguous), query row ``(b, g)`` seeing slots
-    ``< lengths[b, g]`` (``lengths`` [B, G], or [B] for all rows of a sequence; each at least 1);
+    ``<= last[b, g]`` (``last`` [B, G], or [B] / [B, 1] for all rows of a sequence; integers in
+    ``0..S-1``);
     ``sink`` [Hq] or None. Returns [B, Hq, G, D] in ``q``'s dtype. Equal to
     ``decode_attention_reference`` up to rounding."""
     b, hq, g, d = q.shape
@@ -209,27 +212,27 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sink: Ten
     block_m = max(16, triton.next_power_of_2(rep * g))
     block_d = max(16, triton.next_power_of_2(d))
     out = torch.empty_like(q)
-    # fp32 inputs multiply in full fp32 ("ieee", not tf32). So do bf16 ones in Triton's CPU
-    # interpreter, whose bf16 ``tl.dot`` is wrong (seen with Triton 3.x: a 16x16 product off by
-    # 1e10); bf16 converts to fp32 exactly, so only the speed differs.
     if splits > 1:
         part_o = torch.empty(b * kvh * splits * block_m * block_d, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(b * kvh * splits * 2 * block_m, device=q.device, dtype=torch.float32)
     else:
         part_o = part_ml = out  # not written
-    lengths = lengths.to(torch.int32).view(b, -1)  # [B, 1] (stride 0 over G below) or [B, G]
-    if lengths.shape[1] not in (1, g):
-        raise ValueError(f"decode_attention: lengths {tuple(lengths.shape)} for {g} rows per sequence")
-    stride_lg = lengths.stride(1) if lengths.shape[1] > 1 else 0
+    last = last.view(b, -1)  # [B, 1] (stride 0 over G below) or [B, G]; no copy, no cast
+    if last.shape[1] not in (1, g):
+        raise ValueError(f"decode_attention: last {tuple(last.shape)} for {g} rows per sequence")
+    stride_lg = last.stride(1) if last.shape[1] > 1 else 0
     sink_arg = sink if sink is not None else q
     common = dict(REP=rep, G=g, D=d, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=splits, HAS_SINK=sink is not None)
     _decode_attn_kernel[(b * kvh, splits)](
-        q, k, v, lengths, sink_arg, out, part_o, part_ml,
-        lengths.stride(0), stride_lg, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, last, sink_arg, out, part_o, part_ml,
+        last.stride(0), stride_lg, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         kvh, split_len,
+        # fp32 inputs multiply in full fp32 ("ieee", not tf32). So do bf16 ones in Triton's CPU
+        # interpreter, whose bf16 ``tl.dot`` is wrong (seen with Triton 3.x: a 16x16 product off
+        # by 1e10); bf16 converts to fp32 exactly, so only the speed differs.
         SCALE_LOG2=d ** -0.5 * LOG2E, BLOCK_N=BLOCK_N, FP32_DOT=q.dtype == torch.float32 or interpreting(),
         num_warps=4, **common,
     )

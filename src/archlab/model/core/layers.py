@@ -371,7 +371,7 @@ class Attention(nn.Module):
         rows = q.view(g, batch, h, hd).permute(1, 2, 0, 3)  # [B, H, g, hd], a view
         if rows.stride(3) != 1:
             rows = rows.contiguous()
-        o = kernel(rows, k, v, ctx.positions[:, 0] + 1, self.sink)
+        o = kernel(rows, k, v, ctx.positions, self.sink)  # [B, 1]: every row at its sequence's position
         return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int) -> Tensor:
@@ -388,7 +388,7 @@ class Attention(nn.Module):
             o = self._attend_rows(q[:, :, :-a], k, v, ctx, lead)
             kernel = decode_kernel_for(q.device)
             if kernel is not None:
-                tail = kernel(q[:, :, -a:], k, v, ctx.rows.appended_positions + 1, self.sink)
+                tail = kernel(q[:, :, -a:], k, v, ctx.rows.appended_positions, self.sink)
             else:
                 slots = torch.arange(k.shape[2], device=q.device)
                 mask = (slots <= ctx.rows.appended_positions[:, :, None])[:, None]  # [B, 1, a, S]
