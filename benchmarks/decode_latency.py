@@ -125,7 +125,8 @@ def main() -> None:
                     help="also profile batch-1 decode of both models on the first --attention kernel")
     ap.add_argument("--attention", default="triton",
                     help=f"decode attention kernels to measure, one or more of {tuple(ATTENTION)}")
-    ap.add_argument("--compile-mode", help="torch.compile mode of the decode step (e.g. max-autotune-no-cudagraphs)")
+    ap.add_argument("--compile-mode", help="torch.compile mode of the decode step",
+                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     ap.add_argument("--coordinate-descent", action="store_true",
                     help="inductor's coordinate-descent tuning of its generated kernels (as gpt-fast sets)")
     ap.add_argument("--no-prefill", action="store_true", help="decode rows only")

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from archlab.config import make_config  # noqa: E402
+from archlab.config import PRESETS, make_config  # noqa: E402
 from archlab.infer.bench import copy_bandwidth  # noqa: E402
 from archlab.model.core.spec import layer_specs  # noqa: E402
 
@@ -64,11 +64,17 @@ def graph_ms(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json")
     args = ap.parse_args()
+    try:
+        batches = [int(x) for x in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
+    if min(batches) < 1 or args.reps < 1:
+        ap.error("--batches and --reps must be positive")
     if not torch.cuda.is_available():
         print("gemv_bandwidth: no CUDA device; nothing to measure")
         return
@@ -83,7 +89,7 @@ def main() -> None:
         copies = max(2, -(-(512 << 20) // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         reps = copies * max(1, args.reps // copies)
-        for b in [int(x) for x in args.batches.split(",")]:
+        for b in batches:
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(b, n, device=dev, dtype=torch.bfloat16)
             turn = iter(range(1 << 30))
