@@ -235,7 +235,13 @@ def test_two_compares_on_one_suite_directory_never_train_a_run_twice(tmp_path: P
     # they overlap for certain; past the gate they race for the remaining runs.
     procs = [compare(), compare()]
     try:
-        wait_for(lambda: len(trainers()) == 2, "both compares to start a run")
+        def both_started() -> bool:  # a compare that dies says why, rather than a timeout later
+            for p in procs:
+                if p.poll() is not None:
+                    raise AssertionError(f"a compare exited ({p.returncode}): {p.stderr.read() if p.stderr else ''}")
+            return len(trainers()) == 2
+
+        wait_for(both_started, "both compares to start a run")
         assert sorted(trainers()) == sorted(p.pid for p in procs)
         gate.touch()
         for p in procs:

@@ -221,3 +221,32 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path: Path)
             unfinished = [r for r in rows.values() if r.status != "finished"]
             assert len(unfinished) <= round_ + 1  # at most the one row being written per kill
     assert all(c >= 1 for c in committed)
+
+
+# Opens the store at argv[1] once the clock passes argv[2], so that several start together.
+OPENER = """
+import sys, time
+from archlab.lab.store import ResultStore
+t = float(sys.argv[2])
+while time.time() < t:
+    pass
+with ResultStore(sys.argv[1]) as store:
+    print(store.get_meta("missing"), flush=True)
+"""
+
+
+def test_processes_opening_a_new_database_at_once_all_get_it(tmp_path: Path) -> None:
+    """Two compares started together on a new suite directory both create its database. SQLite
+    does not wait for the lock while it switches a new file to WAL mode: before the store retried,
+    3 processes opening one new file failed with "database is locked" 15 times in 40."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "PATH": "/usr/bin:/bin"}
+    for round_ in range(4):
+        db = tmp_path / f"r{round_}.sqlite"
+        go = time.time() + 1.5
+        procs = [subprocess.Popen([sys.executable, "-c", OPENER, str(db), str(go)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0 and out.strip() == "None", err
+        with ResultStore(db) as store:
+            assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION

@@ -28,6 +28,7 @@ without a live claim is a run that was *interrupted* (``display_status``).
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 import threading
 import time
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 DB_NAME = "results.sqlite"
+LOCK_TIMEOUT_S = 60.0  # how long an open or a write waits for another process's lock
 
 
 def _opt(x: float | None) -> float | None:
@@ -73,20 +75,37 @@ class ResultStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: this class issues BEGIN/COMMIT itself, so one call is exactly
         # one transaction and nothing is left open implicitly.
-        self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=60.0)
+        self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=LOCK_TIMEOUT_S)
         self._conn.row_factory = sqlite3.Row
         try:
-            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise ArchlabError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._init_schema()
+            self._open_with_retries()
         except sqlite3.DatabaseError as e:
             self._conn.close()
             raise ArchlabError(f"{self.path} is not a readable archlab results database ({e})") from None
         except BaseException:
             self._conn.close()
             raise
+
+    def _open_with_retries(self) -> None:
+        """WAL mode and the schema. Switching a new file to WAL is not covered by SQLite's busy
+        timeout: two compares opening a new suite directory at once got "database is locked" at
+        once (reproduced: 3 processes opening one new file, 15 of 40 times), so a locked database
+        is tried again until ``LOCK_TIMEOUT_S``."""
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise ArchlabError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
+                self._conn.execute("PRAGMA synchronous=FULL")
+                self._init_schema()
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                time.sleep(0.02 + 0.05 * random.random())
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
