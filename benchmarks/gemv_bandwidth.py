@@ -7,7 +7,8 @@ must read its whole weight once; the step's roofline assumes they read at the co
 times each distinct weight shape of a preset's layer (and the unembedding) the way the engine's
 graph-captured step runs them, back to back inside one CUDA graph of ``--reps`` calls, so launch
 gaps count as they do in decoding, and prints the achieved bytes/s against the measured copy
-bandwidth. The calls cycle through copies of the weight that add up to at least 512 MB: one
+bandwidth. ``--kernels cublas,skinny`` times each shape with cuBLAS (``torch.matmul``) and with
+archlab's Triton GEMV (``kernels/skinny_matmul.py``, autotuned per shape before capture). The calls cycle through copies of the weight that add up to at least 512 MB: one
 weight read again and again would come from the L2 cache (50-60 MB on an H100/H200; a first
 version of this script reported 120% of the copy bandwidth that way). Prints a Markdown table;
 ``--json`` also writes the rows.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from archlab.config import PRESETS, make_config  # noqa: E402
 from archlab.infer.bench import copy_bandwidth  # noqa: E402
+from archlab.kernels.skinny_matmul import MAX_ROWS, skinny_matmul  # noqa: E402
 from archlab.model.core.spec import layer_specs  # noqa: E402
 
 
@@ -67,8 +69,12 @@ def main() -> None:
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--kernels", default="cublas", help="comma-separated: cublas, skinny")
     ap.add_argument("--json")
     args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    if not kernels or not set(kernels) <= {"cublas", "skinny"}:
+        ap.error(f"--kernels: comma-separated cublas, skinny; got {args.kernels!r}")
     try:
         batches = [int(x) for x in args.batches.split(",")]
     except ValueError:
@@ -82,26 +88,32 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     rows = []
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print("| weight | shape (in x out) | MB | batch | us per call | TB/s | of copy bandwidth |")
-    print("|---|---|---|---|---|---|---|")
+    print("| weight | shape (in x out) | MB | batch | kernel | us per call | TB/s | of copy bandwidth |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, k, n in shapes(args.preset):
         nbytes = n * k * 2
         copies = max(2, -(-(512 << 20) // nbytes))
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         reps = copies * max(1, args.reps // copies)
-        for b in batches:
+        for b, kernel in [(b, kn) for b in batches for kn in kernels]:
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(b, n, device=dev, dtype=torch.bfloat16)
             turn = iter(range(1 << 30))
 
             def call():  # the next copy at each call (captured in order, replayed in order)
-                torch.matmul(x, weights[next(turn) % copies].t(), out=out)
+                w = weights[next(turn) % copies]
+                if kernel == "skinny":
+                    skinny_matmul(x, w)
+                else:
+                    torch.matmul(x, w.t(), out=out)
 
+            if kernel == "skinny" and b > MAX_ROWS:
+                continue
             ms = graph_ms(call, reps)
-            r = {"weight": name, "in": k, "out": n, "batch": b, "us": ms * 1e3, "TBps": nbytes / (ms / 1e3) / 1e12,
-                 "frac_of_copy": nbytes / (ms / 1e3) / bw}
+            r = {"weight": name, "in": k, "out": n, "batch": b, "kernel": kernel, "us": ms * 1e3,
+                 "TBps": nbytes / (ms / 1e3) / 1e12, "frac_of_copy": nbytes / (ms / 1e3) / bw}
             rows.append(r)
-            print(f"| {name} | {k} x {n} | {nbytes / 1e6:.1f} | {b} | {r['us']:.1f} | {r['TBps']:.2f} | "
+            print(f"| {name} | {k} x {n} | {nbytes / 1e6:.1f} | {b} | {kernel} | {r['us']:.1f} | {r['TBps']:.2f} | "
                   f"{r['frac_of_copy']:.1%} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

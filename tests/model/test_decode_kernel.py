@@ -2,8 +2,9 @@
 (``layers.DECODE_ATTENTION = "triton"``; Triton's CPU interpreter here) exactly as its full
 uncached forward predicts: one row per sequence or the decode branch's several, grouped-query
 heads, per-layer head dimensions (Prism, variable width), sinks, MoE, depth routing, a looped
-schedule. The kernel itself is tested against float64 attention in
-tests/kernels/test_decode_attention.py; this checks how the model calls it (the rows' layout,
+schedule; with ``layers.DECODE_LINEAR = "triton"`` the step's matmuls run on the skinny-matmul
+kernel as well. The kernels themselves are tested against float64 in
+tests/kernels/test_decode_attention.py and test_skinny_matmul.py; this checks how the model calls it (the rows' layout,
 lengths from the positions, the sink per head, the cache entry per visit)."""
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ EXTRA = {
 }
 
 
+@pytest.mark.parametrize("linear", ["cublas", "triton"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_decoding_on_the_kernel_reproduces_the_full_forward(monkeypatch, case):
+def test_decoding_on_the_kernel_reproduces_the_full_forward(monkeypatch, case, linear):
     monkeypatch.setattr(layers, "DECODE_ATTENTION", "triton")
+    monkeypatch.setattr(layers, "DECODE_LINEAR", linear)
     cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
     torch.manual_seed(1)
     model = build_model(cfg.model).eval()
@@ -45,9 +48,37 @@ def test_decoding_on_the_kernel_reproduces_the_full_forward(monkeypatch, case):
     calls = []
     kernel = layers._decode_attention_kernel
     monkeypatch.setattr(layers, "_decode_attention_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    products = []
+    skinny = layers._skinny_matmul_kernel
+    monkeypatch.setattr(layers, "_skinny_matmul_kernel", lambda *a: products.append(a[1].shape) or skinny(*a))
     seqs = [torch.randint(1, 97, (n,)).tolist() for n in (12, 5, 9)]
     assert_matches_full_forward(model, seqs, prompt_lens=[3, 2, 7])
     assert calls, "the decode steps did not run the kernel"
+    if linear == "triton":  # every decode step's unembedding, at least, is a skinny product
+        assert (cfg.model.vocab_size, model.lm_head.weight.shape[1]) in products
+    else:
+        assert not products
+
+
+def test_skinny_products_only_without_gradients_and_up_to_max_rows(monkeypatch):
+    monkeypatch.setattr(layers, "DECODE_LINEAR", "triton")
+    calls = []
+    monkeypatch.setattr(layers, "_skinny_matmul_kernel", lambda x, w: calls.append(x.shape) or x @ w.T)
+    lin = layers.Linear(8, 5)
+    x = torch.randn(layers._SKINNY_MAX_ROWS + 1, 8)
+    with torch.no_grad():
+        lin(x[:2])
+        lin(x[:, None])  # [17, 1, 8]: 17 rows
+    assert calls == [(2, 8)]
+    lin(x[:2]).sum().backward()  # training: cuBLAS, with gradients
+    assert calls == [(2, 8)] and lin.weight.grad is not None
+    monkeypatch.setattr(layers, "DECODE_LINEAR", "auto")
+    with torch.no_grad():
+        lin(x[:2])  # auto: the kernel on CUDA only
+    assert calls == [(2, 8)]
+    monkeypatch.setattr(layers, "DECODE_LINEAR", "gemv")
+    with pytest.raises(ValueError, match="DECODE_LINEAR"):
+        lin(x[:2])
 
 
 def test_auto_picks_sdpa_on_cpu_and_the_kernel_on_cuda(monkeypatch):

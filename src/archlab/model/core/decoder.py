@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from archlab.model import registry
 from archlab.model.config import ModelConfig
 from archlab.model.core.context import Context
-from archlab.model.core.layers import Attention, KVCache
+from archlab.model.core.layers import Attention, KVCache, Linear
 from archlab.model.core.spec import LayerSpec, base_width, layer_specs, layer_visits, visit_specs
 
 
@@ -118,7 +118,7 @@ class Transformer(nn.Module):
             self.layers.append(block)
         final = self.widths[self.visits[-1]]
         self.norm = self.norms.site(None, "final", final)
-        self.lm_head = nn.Linear(final, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(final, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()

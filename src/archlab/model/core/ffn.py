@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from archlab.model.core.context import Context
 from archlab.model.core.cost import Cost
+from archlab.model.core.layers import Linear
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -30,8 +31,8 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.layer = spec.layer
         self.hidden = hidden or spec.hidden
-        self.w_gate_up = nn.Linear(spec.d, 2 * self.hidden, bias=False)
-        self.w_down = nn.Linear(self.hidden, spec.d, bias=False)
+        self.w_gate_up = Linear(spec.d, 2 * self.hidden)
+        self.w_down = Linear(self.hidden, spec.d)
 
     def init_parameters(self, init: "Init") -> None:
         init.linear(self.w_gate_up.weight, role="in")

@@ -30,6 +30,48 @@ try:  # the decode-attention kernel needs Triton; without it decode runs on SDPA
 except ImportError:
     _decode_attention_kernel = None
 
+try:  # the skinny-matmul kernel needs Triton too; without it every product runs on cuBLAS
+    from archlab.kernels.skinny_matmul import MAX_ROWS as _SKINNY_MAX_ROWS
+    from archlab.kernels.skinny_matmul import skinny_matmul as _skinny_matmul_kernel
+except ImportError:
+    _skinny_matmul_kernel, _SKINNY_MAX_ROWS = None, 0
+
+
+# ---- linear maps ---------------------------------------------------------------------------------
+# Which kernel multiplies a decode step's few rows (at most ``kernels.skinny_matmul.MAX_ROWS``: the
+# batch times the rows per sequence) by a weight: "cublas" (``F.linear``), "triton", archlab's
+# weight-streaming GEMV (``kernels.skinny_matmul``), or "auto": the kernel on CUDA when Triton is
+# installed. Products with more rows (prefill, training) and any that need gradients always run on
+# cuBLAS. Read when a step is traced: set it before compiling.
+DECODE_LINEAR = "cublas"
+DECODE_LINEAR_MODES = ("auto", "cublas", "triton")
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` (no bias), on the kernel ``DECODE_LINEAR`` picks for a product this
+    skinny."""
+    if DECODE_LINEAR not in DECODE_LINEAR_MODES:
+        raise ValueError(f"DECODE_LINEAR must be one of {DECODE_LINEAR_MODES}, not {DECODE_LINEAR!r}")
+    use = (DECODE_LINEAR == "triton" or (DECODE_LINEAR == "auto" and x.device.type == "cuda"))
+    if use and _skinny_matmul_kernel is None and DECODE_LINEAR == "triton":
+        raise RuntimeError("DECODE_LINEAR='triton' needs triton (pip install 'archlab[triton]')")
+    if (use and _skinny_matmul_kernel is not None and x.numel() <= _SKINNY_MAX_ROWS * x.shape[-1]
+            and weight.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        return _skinny_matmul_kernel(x, weight)
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose decode-step products may run on the skinny-matmul
+    kernel (``linear``); its parameters and state dict are ``nn.Linear``'s."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__(d_in, d_out, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight)
+
 
 # ---- norms ---------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
@@ -292,8 +334,8 @@ class Attention(nn.Module):
         self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
         # One fused [q; k; v] projection: one matmul for primary rows. Follower rows use only its
         # query rows (they compute no keys/values).
-        self.wqkv = nn.Linear(spec.d, self.q_dim + 2 * self.kv_dim, bias=False)
-        self.wo = nn.Linear(self.q_dim, spec.d, bias=False)
+        self.wqkv = Linear(spec.d, self.q_dim + 2 * self.kv_dim)
+        self.wo = Linear(self.q_dim, spec.d)
         # 1-D, so weight decay skips it like the norms' gains
         self.sink = nn.Parameter(torch.zeros(spec.n_heads)) if spec.sinks else None
 
@@ -329,7 +371,7 @@ class Attention(nn.Module):
             if lead < rows:
                 k, v = k[:lead], v[:lead]
         else:  # followers alone: queries from the shared W_Q, no keys/values of their own
-            q = F.linear(x, w[: self.q_dim])
+            q = linear(x, w[: self.q_dim])
         q = ctx.rows.tap(ctx.visit, "q", q)
         q = ctx.rope.rotate(self._heads(q, self.n_heads), self.head_dim)
         if k is not None:

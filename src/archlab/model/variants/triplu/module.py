@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from archlab.model.core.context import Context
 from archlab.model.core.cost import Cost
+from archlab.model.core.layers import Linear
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -66,8 +67,8 @@ class TriPLU(nn.Module):
         self.hidden = h = solve_hidden(cfg, spec)
         self.init_scale = t.init_scale
         self.eps = cfg.norm_eps
-        self.w_in = nn.Linear(spec.d, t.degree * h, bias=False)  # W_1 .. W_k stacked: one matmul
-        self.w_out = nn.Linear(h, spec.d, bias=False)
+        self.w_in = Linear(spec.d, t.degree * h)  # W_1 .. W_k stacked: one matmul
+        self.w_out = Linear(h, spec.d)
         self.norm_weight = nn.Parameter(torch.ones(h)) if t.norm else None
 
     def init_parameters(self, init: "Init") -> None:

@@ -1,0 +1,79 @@
+"""The skinny-matmul kernel (a decode step's few rows times a weight) against float64: every row
+count from 1 to ``MAX_ROWS`` (the CUDA-core path up to ``DOT_MIN_ROWS - 1`` rows, tensor cores
+from there), shapes that do and do not divide the blocks, several blocks along both axes, fp32
+and bf16, a strided input and a row slice of a weight (the follower rows' ``W_Q``), the product
+inside ``torch.compile``; natively on CUDA, in Triton's CPU interpreter without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.triton_interpret
+
+SHAPES = [(300, 100), (256, 192), (64, 16), (520, 72)]  # (K, N): uneven and even, one to three blocks
+
+
+@pytest.fixture(scope="module")
+def skinny(kernel_device):
+    from archlab.kernels import skinny_matmul
+
+    return skinny_matmul
+
+
+def draw(m, k, n, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+
+
+def check(out, x, w, dtype):
+    want = x.double() @ w.double().T
+    # bf16 output: one ulp of each entry (the interpreter's conversion may truncate), fp32: the
+    # accumulation order only
+    rtol, atol = (2 ** -7, 1e-3 * want.abs().max().item()) if dtype == torch.bfloat16 else (0, 1e-4)
+    assert out.dtype == x.dtype and out.shape == want.shape
+    torch.testing.assert_close(out.cpu().double(), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_matches_float64(skinny, kernel_device, m, dtype):
+    for i, (k, n) in enumerate(SHAPES):
+        x, w = draw(m, k, n, seed=10 * m + i, dtype=dtype)
+        check(skinny.skinny_matmul(x.to(kernel_device), w.to(kernel_device)), x, w, dtype)
+
+
+def test_leading_dimensions_strided_input_and_a_weight_row_slice(skinny, kernel_device):
+    x, w = draw(6, 96, 80, seed=3, dtype=torch.float32)
+    x3 = x.view(2, 3, 96).to(kernel_device)
+    out = skinny.skinny_matmul(x3, w.to(kernel_device))
+    assert out.shape == (2, 3, 80)
+    check(out.reshape(6, 80), x, w, torch.float32)
+    wide = torch.cat([x, x], dim=1).to(kernel_device)[:, ::2]  # a non-contiguous input
+    check(skinny.skinny_matmul(wide, w.to(kernel_device)), wide.cpu(), w, torch.float32)
+    rows = w.to(kernel_device)[:48]  # the first rows of a weight (a query projection of wqkv)
+    check(skinny.skinny_matmul(x.to(kernel_device), rows), x, w[:48], torch.float32)
+
+
+def test_bad_shapes_are_refused(skinny, kernel_device):
+    x, w = draw(17, 32, 8, seed=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="rows"):
+        skinny.skinny_matmul(x.to(kernel_device), w.to(kernel_device))
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny.skinny_matmul(x[:2, :31].to(kernel_device), w.to(kernel_device))
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny.skinny_matmul(x[:2].to(kernel_device), w.to(kernel_device).T.contiguous().T)
+
+
+@pytest.mark.compile
+def test_inside_torch_compile(skinny, kernel_device):
+    """One opaque op in a compiled function, with the pointwise work around it fused."""
+    x, w = draw(2, 128, 48, seed=5, dtype=torch.float32)
+    x, w = x.to(kernel_device), w.to(kernel_device)
+
+    def f(x, w):
+        return torch.nn.functional.silu(skinny.skinny_matmul(x * 2, w)) + 1
+
+    got = torch.compile(f, dynamic=False)(x, w)
+    want = torch.nn.functional.silu(2 * x.double().cpu() @ w.double().cpu().T) + 1
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
