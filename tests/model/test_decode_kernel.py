@@ -76,6 +76,14 @@ def test_skinny_products_only_without_gradients_and_up_to_max_rows(monkeypatch):
     with torch.no_grad():
         lin(x[:2])  # auto: the kernel on CUDA only
     assert calls == [(2, 8)]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert layers.skinny_matmul_for(cuda, 1, layers.AUTO_MAX_OUT)  # measured faster there
+    assert not layers.skinny_matmul_for(cuda, layers.AUTO_MAX_ROWS + 1, 8)  # more rows: cuBLAS
+    assert not layers.skinny_matmul_for(cuda, 1, layers.AUTO_MAX_OUT + 1)  # wider: cuBLAS
+    assert not layers.skinny_matmul_for(cpu, 1, 8)
+    monkeypatch.setattr(layers, "DECODE_LINEAR", "triton")
+    assert layers.skinny_matmul_for(cpu, layers._SKINNY_MAX_ROWS, 1 << 16)
+    assert not layers.skinny_matmul_for(cpu, layers._SKINNY_MAX_ROWS + 1, 8)
     monkeypatch.setattr(layers, "DECODE_LINEAR", "gemv")
     with pytest.raises(ValueError, match="DECODE_LINEAR"):
         lin(x[:2])

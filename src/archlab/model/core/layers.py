@@ -40,22 +40,38 @@ except ImportError:
 # ---- linear maps ---------------------------------------------------------------------------------
 # Which kernel multiplies a decode step's few rows (at most ``kernels.skinny_matmul.MAX_ROWS``: the
 # batch times the rows per sequence) by a weight: "cublas" (``F.linear``), "triton", archlab's
-# weight-streaming GEMV (``kernels.skinny_matmul``), or "auto": the kernel on CUDA when Triton is
-# installed. Products with more rows (prefill, training) and any that need gradients always run on
-# cuBLAS. Read when a step is traced: set it before compiling.
-DECODE_LINEAR = "cublas"
+# weight-streaming GEMV (``kernels.skinny_matmul``), or "auto": the kernel on CUDA where it was
+# measured faster than cuBLAS, products of at most ``AUTO_MAX_ROWS`` rows into at most
+# ``AUTO_MAX_OUT`` features. On an H200 (docs/benchmarks.md, ninth session, call G) it took 2.7
+# and 4.2 us for a 124m layer's 768-wide ``wo`` and ``w_down`` at one row, where cuBLAS took 4.3
+# and 7.4 us (3.1 and 4.8 against 4.2 and 7.2 at two rows); for the 2048- to 50304-wide outputs
+# of every other weight of 124m and 1b it was as fast or slower, by up to 1.6x at two rows.
+# Products with more rows (prefill, training) and any that need gradients always run on cuBLAS.
+# Read when a step is traced: set it before compiling.
+DECODE_LINEAR = "auto"
 DECODE_LINEAR_MODES = ("auto", "cublas", "triton")
+AUTO_MAX_ROWS = 2
+AUTO_MAX_OUT = 1024
+
+
+def skinny_matmul_for(device: torch.device, rows: int, out_features: int) -> bool:
+    """Whether ``DECODE_LINEAR`` puts a product of ``rows`` rows into ``out_features`` on
+    ``device`` on the skinny-matmul kernel."""
+    if DECODE_LINEAR not in DECODE_LINEAR_MODES:
+        raise ValueError(f"DECODE_LINEAR must be one of {DECODE_LINEAR_MODES}, not {DECODE_LINEAR!r}")
+    if DECODE_LINEAR == "triton" and _skinny_matmul_kernel is None:
+        raise RuntimeError("DECODE_LINEAR='triton' needs triton (pip install 'archlab[triton]')")
+    if _skinny_matmul_kernel is None or not 0 < rows <= _SKINNY_MAX_ROWS:
+        return False
+    if DECODE_LINEAR == "auto":
+        return device.type == "cuda" and rows <= AUTO_MAX_ROWS and out_features <= AUTO_MAX_OUT
+    return DECODE_LINEAR == "triton"
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.T`` (no bias), on the kernel ``DECODE_LINEAR`` picks for a product this
-    skinny."""
-    if DECODE_LINEAR not in DECODE_LINEAR_MODES:
-        raise ValueError(f"DECODE_LINEAR must be one of {DECODE_LINEAR_MODES}, not {DECODE_LINEAR!r}")
-    use = (DECODE_LINEAR == "triton" or (DECODE_LINEAR == "auto" and x.device.type == "cuda"))
-    if use and _skinny_matmul_kernel is None and DECODE_LINEAR == "triton":
-        raise RuntimeError("DECODE_LINEAR='triton' needs triton (pip install 'archlab[triton]')")
-    if (use and _skinny_matmul_kernel is not None and x.numel() <= _SKINNY_MAX_ROWS * x.shape[-1]
+    skinny (never for one that needs gradients)."""
+    if (skinny_matmul_for(x.device, x.numel() // max(1, x.shape[-1]), weight.shape[0])
             and weight.stride(-1) == 1
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
         return _skinny_matmul_kernel(x, weight)
