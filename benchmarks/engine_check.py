@@ -39,7 +39,15 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     failed = 0
-    for name, over in OPTIONS.items():
+    from archlab.kernels import decode_attention
+
+    default_split = decode_attention.MIN_SPLIT
+    # Each option twice: with the decode kernel's default splits (one split of this small cache),
+    # and with splits of 16 slots, merged inside the kernel by the split counters.
+    runs = [(f"{name}{suffix}", over, split) for name, over in OPTIONS.items()
+            for suffix, split in (("", default_split), (" (8 splits)", 16))]
+    for name, over, split in runs:
+        decode_attention.MIN_SPLIT = split
         t = time.perf_counter()
         try:
             torch.manual_seed(0)

@@ -62,15 +62,19 @@ CASES = [  # batch, query heads, kv heads, rows per sequence, head dim, slots, s
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-kernel", "fused-merge"])
 @pytest.mark.parametrize("b,hq,kvh,g,d,slots,splits,sink", CASES)
-def test_kernel_equals_float64_attention(kernel, kernel_device, b, hq, kvh, g, d, slots, splits, sink):
+def test_kernel_equals_float64_attention(kernel, kernel_device, b, hq, kvh, g, d, slots, splits, sink, fused):
     q, k, v, lengths, s = draw(b, hq, kvh, g, d, slots, sink)
     want = attention_float64(q, k, v, lengths, s)
     dev = kernel_device
+    counters = kernel.split_counters(b * kvh, dev) if fused else None
     got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev),
-                                  None if s is None else s.to(dev), splits=splits)
+                                  None if s is None else s.to(dev), splits=splits, counters=counters)
     assert got.shape == q.shape and got.dtype == q.dtype
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
+    if fused:  # the last program of each head left its counter at zero for the next launch
+        assert counters.cpu().tolist() == [0] * (b * kvh)
     ref = kernel.decode_attention_reference(q, k, v, lengths - 1, s)
     torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=2e-6)
 
@@ -98,8 +102,10 @@ def test_slots_past_the_length_are_never_read(kernel, kernel_device):
     for i, n in enumerate(lengths.tolist()):
         k[i, :, n:] = float("nan")
         v[i, :, n:] = float("inf")
-    for splits in (1, 3):
-        got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), splits=splits)
+    counters = kernel.split_counters(6, dev)
+    for splits, c in ((1, None), (3, None), (3, counters), (8, counters)):
+        got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), splits=splits,
+                                      counters=c)
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
 
 
@@ -115,9 +121,33 @@ def test_bfloat16_inputs_within_bfloat16_rounding(kernel, kernel_device):
 
 def test_default_splits_fill_the_gpu_without_short_splits(kernel):
     assert kernel.default_splits(batch=1, kv_heads=8, slots=4096) == 16
-    assert kernel.default_splits(batch=1, kv_heads=12, slots=1140) == 4  # 1140 // 256
+    assert kernel.default_splits(batch=1, kv_heads=12, slots=1140) == 11  # ceil(128 / 12)
+    assert kernel.default_splits(batch=1, kv_heads=12, slots=300) == 300 // kernel.MIN_SPLIT
     assert kernel.default_splits(batch=64, kv_heads=8, slots=4096) == 1
     assert kernel.default_splits(batch=1, kv_heads=1, slots=100) == 1
+
+
+def test_one_counter_buffer_serves_launch_after_launch(kernel, kernel_device):
+    """The engine passes one buffer to every layer of every step: each launch must leave it as
+    it found it, whatever the shapes and lengths (a counter left at 1 would make the next
+    launch merge before its splits are done)."""
+    dev = kernel_device
+    counters = kernel.split_counters(16, dev)
+    for seed, (b, hq, kvh, g, slots, splits) in enumerate([(2, 8, 2, 2, 300, 4), (4, 4, 4, 1, 200, 3),
+                                                           (1, 4, 2, 2, 300, 5), (2, 8, 2, 2, 300, 4)]):
+        q, k, v, lengths, s = draw(b, hq, kvh, g, 16, slots, seed % 2 == 0, seed=10 + seed)
+        got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev),
+                                      None if s is None else s.to(dev), splits=splits, counters=counters)
+        torch.testing.assert_close(got.cpu().double(), attention_float64(q, k, v, lengths, s), rtol=1e-5, atol=2e-6)
+        assert counters.cpu().tolist() == [0] * 16
+
+
+def test_too_few_counters_are_refused(kernel):
+    q = torch.zeros(2, 4, 1, 16)
+    kv = torch.zeros(2, 2, 300, 16)
+    with pytest.raises(ValueError, match="counters"):
+        kernel.decode_attention(q, kv, kv, torch.zeros(2, dtype=torch.long), splits=3,
+                                counters=kernel.split_counters(3, "cpu"))
 
 
 def test_mismatched_shapes_are_refused(kernel):
@@ -127,15 +157,17 @@ def test_mismatched_shapes_are_refused(kernel):
                                 torch.zeros(2, dtype=torch.long))
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_each_query_row_may_have_its_own_length(kernel, kernel_device, splits):
+@pytest.mark.parametrize("splits,fused", [(1, False), (4, False), (4, True)])
+def test_each_query_row_may_have_its_own_length(kernel, kernel_device, splits, fused):
     """A prefill's appended follower rows ask ``lengths`` [B, G]: a row shorter than its
     sequence's longest sees only its own slots, including where a whole split lies past it."""
     dev = kernel_device
     q, k, v, _, s = draw(2, 4, 2, 3, 16, 300, True, seed=4)
     lengths = torch.tensor([[1, 300, 40], [299, 7, 130]])
     want = attention_float64_rows(q, k, v, lengths, s)
-    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), s.to(dev), splits=splits)
+    counters = kernel.split_counters(4, dev) if fused else None
+    got = kernel.decode_attention(q.to(dev), k.to(dev), v.to(dev), (lengths - 1).to(dev), s.to(dev), splits=splits,
+                                  counters=counters)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=2e-6)
     ref = kernel.decode_attention_reference(q, k, v, lengths - 1, s)
     torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=2e-6)
@@ -150,13 +182,26 @@ def attention_float64_rows(q, k, v, lengths, sink):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor compiles user Triton kernels for CUDA only")
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-kernel", "fused-merge"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_inside_a_compiled_function(kernel, dtype):
+def test_kernel_inside_a_compiled_function(kernel, dtype, fused):
     """The engine calls the kernel inside a ``torch.compile``d step, where inductor compiles it
-    itself (a Python float argument once reached the kernel as fp64 there and broke it)."""
+    itself (a Python float argument once reached the kernel as fp64 there and broke it), and
+    replays it in a CUDA graph: the split counters must be zero again after every replay."""
     q, k, v, lengths, s = (t.cuda() if t is not None else None for t in draw(2, 8, 2, 2, 64, 300, True, seed=5))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    fn = torch.compile(lambda q, k, v, n, s: kernel.decode_attention(q * 1, k, v, n - 1, s, splits=2), dynamic=False)
+    counters = kernel.split_counters(4, "cuda") if fused else None
+    fn = torch.compile(lambda q, k, v, n, s: kernel.decode_attention(q * 1, k, v, n - 1, s, splits=3,
+                                                                     counters=counters), dynamic=False)
     want = attention_float64(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), s.cpu())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(fn(q, k, v, lengths, s).cpu().double(), want, rtol=tol, atol=tol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(q, k, v, lengths, s)
+    for _ in range(5):
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out.cpu().double(), want, rtol=tol, atol=tol)
+        if fused:
+            assert counters.cpu().tolist() == [0] * 4

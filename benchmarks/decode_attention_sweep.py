@@ -1,0 +1,149 @@
+"""The decode-attention kernel's launch shape, timed per decode shape on a GPU.
+
+    python benchmarks/decode_attention_sweep.py --json sweep.json
+
+``kernels/decode_attention.py`` splits each sequence's cache over programs (``MIN_SPLIT`` slots at
+least per split), walks a split ``BLOCK_N`` slots at a time in a loop pipelined ``NUM_STAGES``
+deep, and merges the splits either in the same launch (the last program of a head merges:
+``counters``) or in a second kernel. This times every combination of those on the decode shapes of
+the 124m and 1b presets (a cache of 2049 slots holding ``--context`` tokens; one row per sequence
+for the baseline, two with the decode branch), each call on its own copy of the cache so that no
+read comes from L2 (as in a decode step, whose weights evict the cache between layers), inside
+one CUDA graph of ``--calls`` calls. It first checks every configuration against the eager
+reference. Prints one table per shape, fastest first, and the configuration that is best summed
+over the shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from archlab.kernels import decode_attention as da  # noqa: E402
+
+# name: (batch, query heads, key/value heads, head dim, rows per sequence)
+SHAPES = {"124m b1": (1, 12, 12, 64, 1), "124m b1 branch": (1, 12, 12, 64, 2),
+          "1b b1": (1, 32, 8, 64, 1), "1b b1 branch": (1, 32, 8, 64, 2),
+          "1b b8": (8, 32, 8, 64, 1), "1b b8 branch": (8, 32, 8, 64, 2)}
+
+
+def time_calls(fn, calls: int, reps: int = 20) -> float:
+    """Microseconds per call: ``calls`` calls captured in one CUDA graph, median of ``reps``
+    replays (on CPU, for a smoke test: one uncaptured run, wall clock)."""
+    if not torch.cuda.is_available():
+        import time
+
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6 / calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def configure(min_split: int, block_n: int, stages: int | None, warps: int) -> None:
+    da.MIN_SPLIT, da.BLOCK_N, da.NUM_STAGES, da.NUM_WARPS = min_split, block_n, stages, warps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--slots", type=int, default=2049)
+    ap.add_argument("--calls", type=int, default=24, help="calls per graph, each on its own cache copy")
+    ap.add_argument("--min-splits", default="64,128,256")
+    ap.add_argument("--block-ns", default="32,64")
+    ap.add_argument("--stages", default="0,1", help="pipelining depths; 0 is Triton's default")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs Triton's interpreter (TRITON_INTERPRET=1), "
+                    "a smoke test of this script")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("decode_attention_sweep: no CUDA device; nothing to time")
+        return
+    dev = torch.device(args.device)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    configs = [(ms, bn, st or None, w, fused) for ms, bn, st, w in itertools.product(
+        ints(args.min_splits), ints(args.block_ns), ints(args.stages), ints(args.warps)) for fused in (True,)]
+    configs.append((256, 64, None, 4, False))  # the kernel before fused merging: two launches
+    rows = []
+    for name in args.shapes.split(","):
+        b, hq, kvh, d, g = SHAPES[name]
+        gen = torch.Generator(device=dev).manual_seed(0)
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        caches = [(torch.randn(b, kvh, args.slots, d, device=dev, generator=gen, dtype=dtype),
+                   torch.randn(b, kvh, args.slots, d, device=dev, generator=gen, dtype=dtype))
+                  for _ in range(args.calls)]
+        q = torch.randn(b, hq, g, d, device=dev, generator=gen, dtype=dtype)
+        last = torch.full((b, 1), args.context - 1, device=dev, dtype=torch.long)
+        counters = da.split_counters(b * kvh, dev)
+        want = da.decode_attention_reference(q, *caches[0], last).float()
+        kv_mb = 2 * b * kvh * args.context * d * 2 / 1e6
+        for ms, bn, st, w, fused in configs:
+            configure(ms, bn, st, w)
+            c = counters if fused else None
+            got = da.decode_attention(q, *caches[0], last, counters=c).float()
+            err = ((got - want).norm() / want.norm()).item()
+            us = time_calls(lambda: [da.decode_attention(q, k, v, last, counters=c) for k, v in caches], args.calls)
+            splits = da.default_splits(b, kvh, args.slots)
+            r = {"shape": name, "min_split": ms, "block_n": bn, "stages": st or 0, "warps": w, "fused": fused,
+                 "splits": splits, "us": us, "rel_err": err, "kv_MB": kv_mb,
+                 "TBps": kv_mb / 1e6 / (us / 1e6)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            if not err < 2e-2:
+                print(f"  WRONG: relative error {err:.3g}", flush=True)
+        configure(256, 64, None, 4)
+        del caches
+    for name in args.shapes.split(","):
+        print(f"\n{name} (context {args.context}):")
+        print("| min split | block n | stages | warps | merge | us | KV read TB/s |")
+        print("|---|---|---|---|---|---|---|")
+        for r in sorted((r for r in rows if r["shape"] == name), key=lambda r: r["us"])[:6]:
+            print(f"| {r['min_split']} | {r['block_n']} | {r['stages'] or 'default'} | {r['warps']} | "
+                  f"{'fused' if r['fused'] else 'kernel'} | {r['us']:.2f} | {r['TBps']:.2f} |")
+        base = next(r for r in rows if r["shape"] == name and not r["fused"])
+        print(f"(before: two launches, min split 256, block 64: {base['us']:.2f} us)")
+    total = {}
+    for r in rows:
+        key = (r["min_split"], r["block_n"], r["stages"], r["warps"], r["fused"])
+        total[key] = total.get(key, 0.0) + r["us"]
+    best = min(total, key=total.get)
+    print(f"\nbest summed over the shapes: min_split={best[0]} block_n={best[1]} stages={best[2] or 'default'} "
+          f"warps={best[3]} fused={best[4]}: {total[best]:.1f} us against "
+          f"{total[(256, 64, 0, 4, False)]:.1f} us before")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
