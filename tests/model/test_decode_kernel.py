@@ -98,3 +98,30 @@ def test_auto_picks_sdpa_on_cpu_and_the_kernel_on_cuda(monkeypatch):
     monkeypatch.setattr(layers, "DECODE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="DECODE_ATTENTION"):
         layers.decode_kernel_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", ["baseline", "branch-2"])
+def test_split_caches_are_merged_inside_the_kernel(monkeypatch, case):
+    """With the cache split over several programs per head, the last of them merges the splits
+    (the split counters the KV cache holds): prefill's appended rows and every decode step, many
+    launches on one counter buffer, still reproduce the full forward."""
+    from archlab.kernels import decode_attention
+
+    monkeypatch.setattr(layers, "DECODE_ATTENTION", "triton")
+    monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
+    monkeypatch.setattr(decode_attention, "MIN_SPLIT", 16)  # the tests' 64-slot cache: 4 splits
+    cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
+    torch.manual_seed(2)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".couple_" in name or name.endswith(".sink"):
+                torch.nn.init.normal_(p, 0.0, 0.5)
+    fused = []
+    kernel = layers._decode_attention_kernel
+    monkeypatch.setattr(layers, "_decode_attention_kernel",
+                        lambda *a, **k: fused.append(k.get("counters") is not None) or kernel(*a, **k))
+    seqs = [torch.randint(1, 97, (n,)).tolist() for n in (40, 23, 31)]
+    assert_matches_full_forward(model, seqs, prompt_lens=[17, 5, 30])
+    assert fused and all(fused)
+    assert decode_attention.default_splits(4, cfg.model.n_kv_heads, cfg.model.max_seq_len) > 1

@@ -14,11 +14,11 @@ describes them with a ``Pass``, which the few components that care consult:
 A pass may also append *query-only rows* to the end of the time axis (``appended`` of them, the
 run's last positions): a run of [B, T + a] positions whose first T are the ordinary rows. An
 appended row of sequence ``b`` is a query at position ``appended_positions[b, i]`` of that
-sequence: attention rotates it there, lets it see the keys/values of positions up to it, and
-computes and writes no keys/values for it; ``anchor`` picks the ordinary rows' value at that
-position (MoE router replay reads it). Every other op is per token and runs on all T + a
-positions at once, so a few extra query rows cost no extra pass over the layers (the decode
-branch's first follower rows in a prefill).
+sequence: attention rotates it there (``appended_rope``), lets it see the keys/values of positions
+up to it, and computes and writes no keys/values for it; ``anchor`` picks the ordinary rows'
+value at that position (MoE router replay reads it; ``tap_appended`` couples there). Every
+other op is per token and runs on all T + a positions at once, so a few extra query rows cost no
+extra pass over the layers (the decode branch's first follower rows in a prefill).
 
 Taps, shares, the KV cache and the residual sites are keyed by *visit* (``Context.visit``: the
 position in the layer schedule), not by layer: a schedule that runs a layer twice (a loop) runs it
@@ -43,9 +43,11 @@ class Pass:
     #: which group of rows this pass runs (0: primary rows, 1: followers), for diagnostics that
     #: tell a forward's row groups apart (routing probes)
     group = 0
-    #: query-only rows appended to the time axis, and their positions [B, appended] (module doc)
+    #: query-only rows appended to the time axis, their positions [B, appended] and the position
+    #: tables at those positions (the run's ``Context.rope`` covers its ordinary rows only)
     appended = 0
     appended_positions: Tensor | None = None
+    appended_rope: Any = None
 
     def lead(self, rows: int) -> int:
         """How many leading rows of an ``rows``-row activation are primary rows."""
@@ -56,6 +58,11 @@ class Pass:
 
     def share(self, visit: int, name: str, value: Any) -> Any:
         return value
+
+    def tap_appended(self, visit: int, name: str, x: Tensor, tail: Tensor) -> Tensor:
+        """``tap`` for a site whose appended rows ``tail`` [B, appended, ...] are held apart
+        from the ordinary rows ``x`` [B, T, ...] (attention's queries): the new ``tail``."""
+        return tail
 
     def anchor(self, x: Tensor) -> Tensor:
         """The ordinary rows' values ``x`` [B, T, ...] at the appended rows' positions:
@@ -78,7 +85,7 @@ class Context:
       and queries attend to the cache slots the mask allows.
 
     ``positions`` [B, T] are each token's position in its sequence, which is also its cache slot
-    (the ordinary rows'; ``rope`` also covers a pass's appended rows, at their own positions);
+    (the ordinary rows'; a pass's appended rows have tables of their own, ``Pass.appended_rope``);
     ``cache_rows`` [B] the cache rows (sequences) the batch's rows use (None: rows ``0..B-1``).
     ``visit``: which entry of the layer schedule is running (``Transformer.run`` gives each visit
     its own copy of the run's context, so a recompute under activation checkpointing, which calls

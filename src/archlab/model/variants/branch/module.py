@@ -147,11 +147,21 @@ class AppendedPass(Pass):
     coupling taps add ``a_r`` times the primary's activation at that position. The follower
     semantics are ``FollowPass``'s with ``lengths``, in the same run as the primary rows."""
 
-    def __init__(self, blocks: "list[Block]", lengths: Tensor, n_branches: int) -> None:
+    def __init__(self, blocks: "list[Block]", lengths: Tensor, n_branches: int, position: Any) -> None:
+        """``position``: the model's position module, for the appended rows' own tables (the
+        run's ``Context.rope`` stays the baseline's, over the ordinary rows)."""
         self.blocks = blocks
         self.appended = n_branches
         self.lengths = lengths
         self.appended_positions = (lengths - 1)[:, None].expand(-1, n_branches)
+        self.appended_rope = position.tables(self.appended_positions)
+
+    def tap_appended(self, visit: int, name: str, x: Tensor, tail: Tensor) -> Tensor:
+        couple = _coupling(self.blocks, visit, name)
+        if couple is None:
+            return tail
+        # A small new tensor (the appended rows only), fused by inductor into its consumer.
+        return couple.on_time_axis(self.anchor(x), tail).to(tail.dtype)
 
     def tap(self, visit: int, name: str, x: Tensor) -> Tensor:
         couple = _coupling(self.blocks, visit, name)
@@ -225,9 +235,8 @@ class BranchRows(PrimaryRows):
         # axis: [B, T + r]; one run over the layers (``AppendedPass``).
         follow = self.embed(model, last_of(idx, lengths)).view(r, b, -1).transpose(0, 1)
         x = torch.cat([model.tok_emb(idx), follow], dim=1)
-        rows = AppendedPass(model.visit_blocks, lengths, r)
-        positions = torch.cat([ctx.positions, rows.appended_positions], dim=1)
-        hidden = model.run(x, dataclasses.replace(ctx, rope=model.position.tables(positions), rows=rows))
+        rows = AppendedPass(model.visit_blocks, lengths, r, model.position)
+        hidden = model.run(x, dataclasses.replace(ctx, rows=rows))
         # One unembedding for what the readout needs: each prompt's last primary row, then the r
         # follower rows.
         last = torch.cat([(lengths - 1)[:, None], torch.arange(t, t + r, device=idx.device).expand(b, r)], dim=1)
