@@ -9,7 +9,7 @@ deep, and merges the splits either in the same launch (the last program of a hea
 the 124m and 1b presets (a cache of 2049 slots holding ``--context`` tokens; one row per sequence
 for the baseline, two with the decode branch), each call on its own copy of the cache so that no
 read comes from L2 (as in a decode step, whose weights evict the cache between layers), inside
-one CUDA graph of ``--calls`` calls. It first checks every configuration against the eager
+one CUDA graph of ``--calls`` calls (median of 5 replays). It first checks every configuration against the eager
 reference. Prints one table per shape, fastest first, and the configuration that is best summed
 over the shapes.
 """
@@ -20,15 +20,17 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from archlab.kernels import decode_attention as da  # noqa: E402
+from gemv_bandwidth import graph_ms  # noqa: E402
 
 # name: (batch, query heads, key/value heads, head dim, rows per sequence)
 SHAPES = {"124m b1": (1, 12, 12, 64, 1), "124m b1 branch": (1, 12, 12, 64, 2),
@@ -36,35 +38,15 @@ SHAPES = {"124m b1": (1, 12, 12, 64, 1), "124m b1 branch": (1, 12, 12, 64, 2),
           "1b b8": (8, 32, 8, 64, 1), "1b b8 branch": (8, 32, 8, 64, 2)}
 
 
-def time_calls(fn, calls: int, reps: int = 20) -> float:
-    """Microseconds per call: ``calls`` calls captured in one CUDA graph, median of ``reps``
-    replays (on CPU, for a smoke test: one uncaptured run, wall clock)."""
+def time_calls(fn, calls: int) -> float:
+    """Microseconds per call of ``fn``, which makes ``calls`` calls: replayed in one CUDA graph
+    (``gemv_bandwidth.graph_ms``); on CPU, for a smoke test, one uncaptured run on the wall
+    clock."""
     if not torch.cuda.is_available():
-        import time
-
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6 / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return graph_ms(fn, 1) * 1e3 / calls
 
 
 def configure(min_split: int, block_n: int, stages: int | None, warps: int) -> None:

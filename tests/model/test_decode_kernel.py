@@ -33,18 +33,25 @@ EXTRA = {
 }
 
 
+def randomised_model(cfg, seed: int):
+    """The config's model with random coupling vectors and sinks (zero at init), so that a
+    misplaced row or sink fails."""
+    torch.manual_seed(seed)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".couple_" in name or name.endswith(".sink"):
+                torch.nn.init.normal_(p, 0.0, 0.5)
+    return model
+
+
 @pytest.mark.parametrize("linear", ["cublas", "triton"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_decoding_on_the_kernel_reproduces_the_full_forward(monkeypatch, case, linear):
     monkeypatch.setattr(layers, "DECODE_ATTENTION", "triton")
     monkeypatch.setattr(layers, "DECODE_LINEAR", linear)
     cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
-    torch.manual_seed(1)
-    model = build_model(cfg.model).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".couple_" in name or name.endswith(".sink"):
-                torch.nn.init.normal_(p, 0.0, 0.5)  # random, so that a misplaced row or sink fails
+    model = randomised_model(cfg, seed=1)
     calls = []
     kernel = layers._decode_attention_kernel
     monkeypatch.setattr(layers, "_decode_attention_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -111,12 +118,7 @@ def test_split_caches_are_merged_inside_the_kernel(monkeypatch, case):
     monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
     monkeypatch.setattr(decode_attention, "MIN_SPLIT", 16)  # the tests' 64-slot cache: 4 splits
     cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
-    torch.manual_seed(2)
-    model = build_model(cfg.model).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".couple_" in name or name.endswith(".sink"):
-                torch.nn.init.normal_(p, 0.0, 0.5)
+    model = randomised_model(cfg, seed=2)
     fused = []
     kernel = layers._decode_attention_kernel
     monkeypatch.setattr(layers, "_decode_attention_kernel",
