@@ -9,9 +9,9 @@ deep, and merges the splits either in the same launch (the last program of a hea
 the 124m and 1b presets (a cache of 2049 slots holding ``--context`` tokens; one row per sequence
 for the baseline, two with the decode branch), each call on its own copy of the cache so that no
 read comes from L2 (as in a decode step, whose weights evict the cache between layers), inside
-one CUDA graph of ``--calls`` calls (median of 5 replays). It first checks every configuration against the eager
-reference. Prints one table per shape, fastest first, and the configuration that is best summed
-over the shapes.
+one CUDA graph of ``--calls`` calls (median of 5 replays). It first checks every configuration
+against the eager reference. Prints one table per shape, fastest first, and the configuration
+that is best summed over the shapes.
 """
 
 from __future__ import annotations
@@ -71,12 +71,28 @@ def main() -> None:
         print("decode_attention_sweep: no CUDA device; nothing to time")
         return
     dev = torch.device(args.device)
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    configs = [(ms, bn, st or None, w, fused) for ms, bn, st, w in itertools.product(
-        ints(args.min_splits), ints(args.block_ns), ints(args.stages), ints(args.warps)) for fused in (True,)]
+
+    def ints(flag: str, text: str, least: int) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < least:
+            ap.error(f"{flag}: comma-separated integers of at least {least}, got {text!r}")
+        return values
+
+    shapes = args.shapes.split(",")
+    if not set(shapes) <= set(SHAPES):
+        ap.error(f"--shapes: each of {', '.join(SHAPES)}; got {args.shapes!r}")
+    if not 0 < args.context <= args.slots or args.calls < 1:
+        ap.error("--context must be in 1..--slots, and --calls at least 1")
+    configs = [(ms, bn, st or None, w, True) for ms, bn, st, w in itertools.product(
+        ints("--min-splits", args.min_splits, 1), ints("--block-ns", args.block_ns, 16),
+        ints("--stages", args.stages, 0), ints("--warps", args.warps, 1))]
     configs.append((256, 64, None, 4, False))  # the kernel before fused merging: two launches
+    defaults = (da.MIN_SPLIT, da.BLOCK_N, da.NUM_STAGES, da.NUM_WARPS)
     rows = []
-    for name in args.shapes.split(","):
+    for name in shapes:
         b, hq, kvh, d, g = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(0)
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -102,9 +118,9 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             if not err < 2e-2:
                 print(f"  WRONG: relative error {err:.3g}", flush=True)
-        configure(256, 64, None, 4)
+        configure(*defaults)
         del caches
-    for name in args.shapes.split(","):
+    for name in shapes:
         print(f"\n{name} (context {args.context}):")
         print("| min split | block n | stages | warps | merge | us | KV read TB/s |")
         print("|---|---|---|---|---|---|---|")

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from archlab.config import PRESETS  # noqa: E402
 from archlab.infer.bench import _timer, copy_bandwidth, prompt_tokens  # noqa: E402
 from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
@@ -137,6 +138,17 @@ def main() -> None:
     names = args.models.split(",")
     if not set(names) <= {"baseline", "branch"}:
         ap.error(f"--models: baseline and/or branch, got {args.models!r}")
+    presets = args.presets.split(",")
+    if not set(presets) <= set(PRESETS):
+        ap.error(f"--presets: each of {', '.join(PRESETS)}; got {args.presets!r}")
+    try:
+        batches = [int(x) for x in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
+    if args.prompt < 1 or args.context < 1 or args.top < 1:
+        ap.error("--prompt, --context and --top must be positive")
     if not torch.cuda.is_available():
         print("kernel_timeline: no CUDA device; nothing to profile")
         return
@@ -144,10 +156,10 @@ def main() -> None:
     out = {"copy_TBps": bw / 1e12, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(out), flush=True)
     with torch.no_grad():
-        for preset in args.presets.split(","):
+        for preset in presets:
             max_len = max(args.prompt + 1, args.context + 64)
             base, branch = models(preset, max_len, args.extra)
-            for batch, name in [(b, m) for b in (int(x) for x in args.batches.split(",")) for m in names]:
+            for batch, name in [(b, m) for b in batches for m in names]:
                 model = base if name == "baseline" else branch
                 try:
                     profile_model(model, f"{preset} {name}", args, batch, max_len, bw, out)

@@ -112,13 +112,12 @@ def test_split_caches_are_merged_inside_the_kernel(monkeypatch):
     (the split counters the KV cache holds): prefill's appended rows and every decode step, many
     launches on one counter buffer, still reproduce the full forward. Two branches: three rows
     per sequence, the primary's among them (the kernel's own tests cover one row)."""
-    case = "branch-2"
     from archlab.kernels import decode_attention
 
     monkeypatch.setattr(layers, "DECODE_ATTENTION", "triton")
     monkeypatch.setattr(decode_attention, "BLOCK_N", 16)
     monkeypatch.setattr(decode_attention, "MIN_SPLIT", 16)  # the tests' 64-slot cache: 4 splits
-    cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
+    cfg = run_config(*CASES["branch-2"], extra=EXTRA["branch-2"])
     model = randomised_model(cfg, seed=2)
     fused = []
     kernel = layers._decode_attention_kernel

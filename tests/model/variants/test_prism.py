@@ -137,6 +137,7 @@ def test_built_model_has_the_baselines_parameters_and_flops():
     assert counts[0] == counts[1] > 0
     # the KV cache is as large as the baseline's
     cb, cp = mb.new_cache(2, 32), mp.new_cache(2, 32)
+
     def kv_elems(cache):  # the keys and values, not the attention kernel's split counters
         return sum(b.numel() for n, b in cache.named_buffers() if n != "split_counters")
 

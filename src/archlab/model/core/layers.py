@@ -232,6 +232,11 @@ def decode_kernel_for(device: torch.device):
     return _decode_attention_kernel
 
 
+def _split_counters(ctx: Context) -> Tensor | None:
+    """The decode kernel's split counters: the KV cache's, when the run has one."""
+    return ctx.cache.split_counters if ctx.cache is not None else None
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
          sink: Tensor | None = None) -> Tensor:
     """Scaled dot-product attention with grouped-query heads (k/v may have fewer heads).
@@ -448,7 +453,7 @@ class Attention(nn.Module):
         if rows.stride(3) != 1:
             rows = rows.contiguous()
         o = kernel(rows, k, v, ctx.positions, self.sink,  # [B, 1]: every row at its sequence's position
-                   counters=ctx.cache.split_counters if ctx.cache is not None else None)
+                   counters=_split_counters(ctx))
         return o.permute(2, 0, 1, 3).reshape(g * batch, h, 1, hd)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, lead: int,
@@ -467,7 +472,7 @@ class Attention(nn.Module):
             kernel = decode_kernel_for(q.device)
             if kernel is not None:
                 tail = kernel(q_tail, k, v, ctx.rows.appended_positions, self.sink,
-                              counters=ctx.cache.split_counters if ctx.cache is not None else None)
+                              counters=_split_counters(ctx))
             else:
                 slots = torch.arange(k.shape[2], device=q.device)
                 mask = (slots <= ctx.rows.appended_positions[:, :, None])[:, None]  # [B, 1, a, S]
