@@ -32,7 +32,7 @@ def _load_cfg(args):
 def cmd_train(args) -> int:
     cfg = _load_cfg(args)  # first: a config error is reported before torch has been imported
     if os.environ.get("ARCHLAB_DIE_WITH_PARENT") == "1":  # a rank of a lab run (lab.worker.DIE_WITH_PARENT_ENV)
-        from archlab.lab.claims import die_with_parent
+        from archlab.lab.store.owner import die_with_parent
 
         die_with_parent(os.getppid())
     from archlab.train.trainer import train

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from archlab.lab.claims import STALE_AFTER_S, Owner, process_started
+from archlab.lab.store.owner import STALE_AFTER_S, Owner, process_started
 from archlab.lab.plan import build_plan
 from archlab.lab.report import collect, overview
 from archlab.lab.display import plan_table
@@ -71,7 +71,7 @@ def test_process_identity() -> None:
 CLAIMER = """
 import sys, time
 from pathlib import Path
-from archlab.lab.claims import Owner
+from archlab.lab.store.owner import Owner
 from archlab.lab.store import ResultStore
 from tests.lab.test_lab_store import start
 store = ResultStore(Path(sys.argv[1]))

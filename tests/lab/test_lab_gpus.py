@@ -22,7 +22,7 @@ from rich.console import Console
 
 from archlab.config import make_config
 from archlab.errors import ConfigError, OutOfMemory
-from archlab.lab.claims import lease_s
+from archlab.lab.store.owner import lease_s
 from archlab.lab.cli import gpu_plan
 from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices, launch_command, parse_gpus
 from archlab.lab.plan import build_plan
@@ -385,7 +385,7 @@ MOUNTINFO = """\
 
 
 def test_a_suite_directory_on_a_network_filesystem_is_recognized() -> None:
-    from archlab.lab.claims import network_filesystem
+    from archlab.lab.store.owner import network_filesystem
 
     assert network_filesystem(Path("/shared/suite/x"), MOUNTINFO) == "nfs4"
     assert network_filesystem(Path("/shared"), MOUNTINFO) == "nfs4"

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from archlab.errors import ConfigError
 from archlab.lab import latency
-from archlab.lab.claims import Owner
+from archlab.lab.store.owner import Owner
 from archlab.lab.cli import run_compare
 from archlab.lab.latency import DECODE_MARGIN, MIN_STEPS, fit_decode, shapes_for
 from archlab.lab.plan import build_plan

@@ -17,7 +17,7 @@ from archlab.lab.plan import build_plan
 from archlab.lab.runner import run_suite
 from archlab.lab.store import DB_NAME, ResultStore
 from archlab.lab.suite import load_suite
-from archlab.lab.trend import load_suite_dir, markdown, trend
+from archlab.lab.report.trend import load_suite_dir, markdown, trend
 from tests.lab.lab_fakes import SUITE_YAML, FakeTrainer, fake_costs, write_suite
 
 

@@ -173,7 +173,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from archlab.lab.session import Session
     from archlab.lab.suite import load_suite
 
-    from archlab.lab.claims import lease_s
+    from archlab.lab.store.owner import lease_s
 
     console = console or Console()
     session = Session(max_runs=getattr(args, "max_runs", None), seconds=getattr(args, "time_budget", None),
@@ -212,7 +212,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
         return 0
     # the report (scipy, matplotlib) and the runner take a second to import: only once the suite,
     # its plan and the arguments are known to be good, so that their errors come at once
-    from archlab.lab.claims import network_filesystem
+    from archlab.lab.store.owner import network_filesystem
     from archlab.lab.report import print_report, write_report
     from archlab.lab.runner import run_suite, suite_lock
 
@@ -279,7 +279,7 @@ def run_trend(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from archlab.lab.trend import load_suite_dir, markdown, trend
+    from archlab.lab.report.trend import load_suite_dir, markdown, trend
 
     if len(args.dirs) < 2:
         raise UsageError("trend needs at least two suite directories, smallest model first")

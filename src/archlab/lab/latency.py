@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from archlab.errors import ArchlabError, CheckpointError
-from archlab.lab.claims import Owner
+from archlab.lab.store.owner import Owner
 from archlab.lab.store import LATENCY_KEY, Heartbeat, LatencyRow, ResultStore
 
 if TYPE_CHECKING:

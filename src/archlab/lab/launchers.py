@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from archlab.errors import ArchlabError
-from archlab.lab.claims import die_with_parent
+from archlab.lab.store.owner import die_with_parent
 from archlab.lab.display import is_done
 from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices
 from archlab.lab.store import ResultStore

@@ -65,7 +65,7 @@ from rich.progress import Progress, TaskID
 import archlab
 from archlab.config import RunConfig
 from archlab.errors import ArchlabError, CheckpointError, OutOfMemory, TrainingDiverged, is_out_of_memory
-from archlab.lab.claims import Owner
+from archlab.lab.store.owner import Owner
 from archlab.lab.display import RUNS_DIR, SuiteEta, end_run, is_done, latest_train_record, make_progress
 from archlab.lab import heldout as _heldout
 from archlab.lab import latency as _latency

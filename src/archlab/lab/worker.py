@@ -110,7 +110,7 @@ def run_worker(w: WorkerJob) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    from archlab.lab.claims import die_with_parent
+    from archlab.lab.store.owner import die_with_parent
 
     if argv[:1] == ["--exec-with-parent"]:
         die_with_parent(int(argv[1]))  # PR_SET_PDEATHSIG survives exec; the watcher thread does not

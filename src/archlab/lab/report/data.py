@@ -2,8 +2,8 @@
 finished, running and interrupted runs, final losses, costs, downstream, held-out and latency
 results and its test against the baseline (``LabelSummary``), the suite's plan and statistics
 around them (``ReportData``), and ``collect``, which builds them from a ``ResultStore``. No
-formatting here: the tables are ``archlab.lab.report_tables``, the prose
-``archlab.lab.report_text``, the files and the console ``archlab.lab.report``.
+formatting here: the tables are ``archlab.lab.report.tables``, the prose
+``archlab.lab.report.text``, the files and the console ``archlab.lab.report``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 of trying to take one (``ClaimResult``), the keys of work that is not a run being trained
 (``downstream_key``, ``LATENCY_KEY``, ``is_run_key``) and the status a person should read for a
 run row given the live claims (``display_status``). Who holds a claim and whether it is alive is
-``archlab.lab.claims``; taking, refreshing and releasing them is ``archlab.lab.store.ResultStore``.
+``archlab.lab.store.owner``; taking, refreshing and releasing them is ``archlab.lab.store.ResultStore``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from archlab.lab.claims import Owner, holder_alive
-from archlab.lab.store_rows import RunRow
+from archlab.lab.store.owner import Owner, holder_alive
+from archlab.lab.store.rows import RunRow
 
 
 @dataclass(frozen=True)

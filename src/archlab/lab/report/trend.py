@@ -23,7 +23,7 @@ import numpy as np
 
 from archlab.errors import ArchlabError, UsageError
 from archlab.lab import stats
-from archlab.lab.report import ReportData, collect
+from archlab.lab.report.data import ReportData, collect
 from archlab.lab.store import DB_NAME, ResultStore
 
 

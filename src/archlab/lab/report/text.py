@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter
 
 from archlab.lab.fmt import device_text, duration, latency_device_text, plural
-from archlab.lab.report_data import ReportData
-from archlab.lab.report_tables import compute_hours, paired_design
+from archlab.lab.report.data import ReportData
+from archlab.lab.report.tables import compute_hours, paired_design
 from archlab.lab.stats import POWER, mde_unpaired
 from archlab.lab.stoprule import INVALID
 from archlab.lab.store import RunRow

@@ -1,8 +1,8 @@
 """Reports of a suite, built from its results database alone: this module renders them (the
 Markdown and HTML files with their figures, ``write_report``; the console table,
-``print_report``). What they show is gathered by ``archlab.lab.report_data``, laid out in tables
-by ``archlab.lab.report_tables`` and put in words by ``archlab.lab.report_text``; their names
-are re-exported here, so ``archlab.lab.report`` stays the one import path.
+``print_report``). What they show is gathered by ``archlab.lab.report.data``, laid out in tables
+by ``archlab.lab.report.tables`` and put in words by ``archlab.lab.report.text``; their names
+are re-exported by the package, so ``archlab.lab.report`` stays the one import path.
 
 Every number in a report comes from ``results.sqlite``: the suite definition and plan stored at
 ``compare`` time (the ``meta`` table) and the run rows. So a report can be regenerated at any
@@ -27,13 +27,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from archlab.lab.figures import fig_curves, fig_diffs, fig_latency, fig_tradeoff
+from archlab.lab.report.figures import fig_curves, fig_diffs, fig_latency, fig_tradeoff
 from archlab.lab.fmt import device_text
-from archlab.lab.report_data import LabelSummary, ReportData, collect
-from archlab.lab.report_tables import (compute_hours, compute_table, costs_table, downstream_table, heldout_table,
+from archlab.lab.report.data import LabelSummary, ReportData, collect
+from archlab.lab.report.tables import (compute_hours, compute_table, costs_table, downstream_table, heldout_table,
                                        latency_ratio, mde_of, paired_design, planned_seeds, results_table,
                                        task_metric)
-from archlab.lab.report_text import (COMPUTE_NOTE, COSTS_NOTE, DOWNSTREAM_NOTE, HELDOUT_NOTE, METHOD_NOTE,
+from archlab.lab.report.text import (COMPUTE_NOTE, COSTS_NOTE, DOWNSTREAM_NOTE, HELDOUT_NOTE, METHOD_NOTE,
                                      compute_fact, devices_fact, latency_fact, latency_note, mde_fact, overview,
                                      verdict_rule)
 from archlab.lab.store import DB_NAME, ResultStore

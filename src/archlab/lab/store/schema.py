@@ -125,7 +125,7 @@ _SCHEMA_V3: tuple[str, ...] = (
         key TEXT PRIMARY KEY,       -- a run id, or 'downstream:' + run id for its evaluation
         pid INTEGER NOT NULL,
         host TEXT NOT NULL,
-        boot TEXT NOT NULL,         -- archlab.lab.claims.Owner.boot
+        boot TEXT NOT NULL,         -- archlab.lab.store.owner.Owner.boot
         started TEXT NOT NULL,      -- the process's start time, to tell a reused pid
         claimed_at REAL NOT NULL,
         heartbeat_at REAL NOT NULL

@@ -3,8 +3,8 @@ row per (run, downstream task, item limit) for zero-shot evaluations of finished
 (``downstream``), and one row per (run, phase, batch, requested length) for measured inference
 latency of finished runs (``latency``). This module owns the connection and every read and write
 (``ResultStore``) and the claims' heartbeat thread (``Heartbeat``); the schema and its migrations
-are ``archlab.lab.store_schema``, the records ``archlab.lab.store_rows``, the claims' records and
-keys ``archlab.lab.store_claims`` (all re-exported here, so ``archlab.lab.store`` stays the one
+are ``archlab.lab.store.schema``, the records ``archlab.lab.store.rows``, the claims' records and
+keys ``archlab.lab.store.claims`` (all re-exported by the package, so ``archlab.lab.store`` stays the one
 import path).
 
 Why SQLite: a comparison can take days, gets interrupted, and is read by reports while it is
@@ -14,10 +14,10 @@ write-ahead log is either committed as a whole or ignored. Each public write is 
 
 Invariants, enforced by the database itself (triggers), not only by this code: finished and
 diverged runs and every stored measurement are never updated or deleted, and the schema version
-lives in ``PRAGMA user_version`` (``archlab.lab.store_schema`` says which and why).
+lives in ``PRAGMA user_version`` (``archlab.lab.store.schema`` says which and why).
 
 Claims (``claims``): a run being trained, or a finished run being evaluated downstream, is held by
-the process doing it (``archlab.lab.claims``): taken atomically before the work (with the run's
+the process doing it (``archlab.lab.store.owner``): taken atomically before the work (with the run's
 row, in one transaction), refreshed by a heartbeat, and released when the work ends: by the very
 transaction that records a run finished or diverged, so a run is always either claimed, or
 recorded, or free to resume. A claim whose process is gone is taken over by the next claimant;
@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from archlab.errors import ArchlabError
-from archlab.lab.claims import Owner, heartbeat_s
-from archlab.lab.store_claims import (LATENCY_KEY, Claim, ClaimResult, display_status, downstream_key,
+from archlab.lab.store.owner import Owner, heartbeat_s
+from archlab.lab.store.claims import (LATENCY_KEY, Claim, ClaimResult, display_status, downstream_key,
                                       is_run_key)
-from archlab.lab.store_rows import (DownstreamRow, HeldoutRow, LatencyRow, RunRow, RunStart, Status,
+from archlab.lab.store.rows import (DownstreamRow, HeldoutRow, LatencyRow, RunRow, RunStart, Status,
                                     TrainOutcome)
-from archlab.lab.store_schema import (_MIGRATIONS, _SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
+from archlab.lab.store.schema import (_MIGRATIONS, _SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
                                       COST_KEYS, SCHEMA_VERSION)
 
 __all__ = [
@@ -385,7 +385,7 @@ def _claim(r: sqlite3.Row) -> Claim:
 
 class Heartbeat:
     """While a process trains or evaluates, refresh its claims every ``every`` seconds (by default
-    ``archlab.lab.claims.heartbeat_s``) from a
+    ``archlab.lab.store.owner.heartbeat_s``) from a
     thread (with its own connection: a SQLite connection belongs to one thread), and sample how
     many runs this host is training (``peak``: the most seen, the run's ``runs_at_once``).
 

@@ -2,7 +2,7 @@
 results (losses, tests and verdicts, downstream task means), costs (computed costs, throughput
 and measured latency), downstream, held-out corpora and compute; and the cell formatting and
 per-variant figures (minimum detectable effect, seed design, compute hours) they share with the
-overview (``archlab.lab.report_text``).
+overview (``archlab.lab.report.text``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import statistics
 
 from archlab.lab.fmt import device_hours, duration, si
 from archlab.lab.latency import fmt_ms
-from archlab.lab.report_data import LabelSummary, ReportData
+from archlab.lab.report.data import LabelSummary, ReportData
 from archlab.lab.stats import mde_unpaired
 from archlab.lab.store import LatencyRow, RunRow
 

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from archlab.lab.fmt import latency_device_text, plural
 
 if TYPE_CHECKING:
-    from archlab.lab.report_data import ReportData
+    from archlab.lab.report.data import ReportData
     from archlab.lab.store import RunRow
 
 
