@@ -41,7 +41,9 @@ def cmd_train(args) -> int:
     res = train(cfg, out, resume=args.resume == "auto")
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 reports for the run
-    print(f"done: {res.steps} steps, {res.tokens:,} tokens, val loss {res.final_val_loss:.4f} "
+    sample = ("" if res.final_val_tokens is None else f" ± {res.final_val_se or float('nan'):.4f} over "
+              f"{res.final_val_tokens:,} val tokens")
+    print(f"done: {res.steps} steps, {res.tokens:,} tokens, val loss {res.final_val_loss:.4f}{sample} "
           f"({res.final_val_bpb:.4f} bits/byte), {res.tokens_per_s:,.0f} tok/s on {res.device}"
           + (f", MFU {res.mfu:.1%}" if res.mfu else "") + f"; checkpoints in {out / 'ckpt'}")
     return 0
@@ -70,13 +72,15 @@ def cmd_eval(args) -> int:
     from archlab.eval.corpus import evaluate_checkpoint_on
 
     result = evaluate_checkpoint_on(args.data, args.ckpt, batches=args.batches, batch_size=args.batch_size,
-                                    seq_len=args.seq_len or None, device=device)
+                                    seq_len=args.seq_len or None, device=device, final=args.final)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{result['checkpoint']} on {result['data']} (val split): loss {result['loss']:.4f} nats/token, "
+    se = "" if result["se"] is None else f" ± {result['se']:.4f} (sampling s.e. over {result['batches']} batches)"
+    print(f"{result['checkpoint']} on {result['data']} (val split{', final sample' if args.final else ''}): "
+          f"loss {result['loss']:.4f}{se} nats/token, "
           f"{result['bpb']:.4f} bits/byte over {result['tokens']:,} tokens ({result['bytes']:,} bytes)")
-    if result["tokens"] < result["tokens_requested"]:
+    if result["tokens"] < result["tokens_requested"] and not args.final:
         print(f"note: the val split ends before the {result['tokens_requested']:,} tokens asked for "
               f"(--batches x --batch-size x seq-len); each token was scored once, none wrapped", file=sys.stderr)
     return 0
@@ -218,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validation batches to average the loss over (default 16); a split that ends first is "
                         "scored once to its end, not wrapped, and the tokens scored are printed")
     e.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass (loss and tasks)")
+    e.add_argument("--final", action="store_true",
+                   help="score the run's final evaluation sample (its batch size, sequence length and "
+                        "train.final_eval_tokens): reproduces the final loss training recorded; "
+                        "--batches, --batch-size and --seq-len are then unused")
     e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
                    help="tokens per row, at most the model's context (default: the training sequence length)")
     e.add_argument("--tasks", help="zero-shot tasks instead of the loss, comma-separated: hellaswag, piqa, "

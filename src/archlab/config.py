@@ -49,7 +49,17 @@ class TrainConfig:
     steps: int = 300
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    # The schedule scales with the run: warm-up is a fraction of train.steps and the decay fills
+    # the rest (cosine) or its last decay_frac (wsd), so a 400-step run and a 40,000-step run have
+    # the same shape. A fixed warm-up of 200 steps would be half of a 400-step run: a comparison
+    # would then measure how each variant copes with a schedule nobody would choose. 5% is what
+    # the presets' fixed warm-ups were at their own default lengths (200 of 4000 steps at 20m,
+    # 500 of 10000 at 124m), and at 400 steps still 20 steps, the 1 / (1 - beta2) steps AdamW's
+    # second moment takes to settle at beta2 = 0.95.
+    warmup_frac: float = 0.05
+    # A fixed warm-up in steps instead of warmup_frac (None: the fraction). `preset` names the
+    # preset's former fixed warm-up (PRESET_WARMUP_STEPS), resolved when the config is made.
+    warmup_steps: int | None = None
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_frac: float = 0.2  # wsd: fraction of steps in the final decay
     weight_decay: float = 0.1
@@ -57,7 +67,11 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     eval_every: int = 100
-    eval_batches: int = 8
+    eval_batches: int = 8  # the evaluations during training: this many batches (the loss curve)
+    # The final evaluation, once, of the final weights: the validation split's first windows up to
+    # this many tokens (the whole split when it is smaller). It is the run's final loss, so it is
+    # larger than the curve's sample: its own sampling error must be small beside seed noise.
+    final_eval_tokens: int = 1_048_576
     ckpt_every: int = 100
     keep_ckpts: int = 2
     log_every: int = 10
@@ -85,9 +99,26 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len * self.grad_accum
 
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps of this run: ``warmup_steps`` when set, else ``warmup_frac`` of ``steps``."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return round(self.warmup_frac * self.steps)
+
+    def schedule_text(self) -> str:
+        """The learning-rate schedule in words, as reports state it."""
+        warm = (f"fixed warm-up of {self.warmup_steps} steps" if self.warmup_steps is not None
+                else f"warm-up {self.warmup_frac:.0%} of the steps ({self.warmup})")
+        decay = {"cosine": f"cosine decay to {self.min_lr_ratio:g}x over the rest",
+                 "wsd": f"constant, then linear decay to {self.min_lr_ratio:g}x over the last "
+                        f"{self.decay_frac:.0%}",
+                 "constant": "constant after"}[self.schedule]
+        return f"{warm}, {decay}"
+
     def validate(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_every", "eval_batches",
-                     "ckpt_every", "keep_ckpts", "log_every"):
+                     "final_eval_tokens", "ckpt_every", "keep_ckpts", "log_every"):
             check(getattr(self, name) > 0, f"train.{name}", "must be positive")
         check(0 <= self.seed <= MAX_SEED, "train.seed", f"must be in 0..{MAX_SEED}, got {self.seed}")
         check(self.lr > 0 and math.isfinite(self.lr), "train.lr", f"must be a positive finite number, got {self.lr}")
@@ -100,8 +131,10 @@ class TrainConfig:
               f"must be a finite number >= 0, got {self.weight_decay}")
         check(self.grad_clip > 0 and math.isfinite(self.grad_clip), "train.grad_clip",
               f"must be a positive finite number (the largest gradient norm), got {self.grad_clip}")
-        check(0 <= self.warmup_steps <= self.steps, "train.warmup_steps",
-               f"must be in 0..steps={self.steps}")
+        if self.warmup_steps is not None:
+            check(0 <= self.warmup_steps <= self.steps, "train.warmup_steps",
+                  f"must be in 0..steps={self.steps} (or null: train.warmup_frac of the steps)")
+        check(0 <= self.warmup_frac < 1, "train.warmup_frac", f"must be in [0, 1), got {self.warmup_frac}")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check(0 < self.decay_frac <= 1, "train.decay_frac", "must be in (0, 1]")
         check(self.dist_timeout_s > 0, "train.dist_timeout_s", f"must be positive, got {self.dist_timeout_s}")
@@ -153,45 +186,49 @@ _TRAIN_DEFAULTS = TrainConfig()
 
 
 # --------------------------------------------------------------------------------------------
-# Presets: tiny trains on a laptop CPU in minutes; the others are GPU sizes.
+# Presets: tiny trains on a laptop CPU in minutes; the others are GPU sizes. Their warm-up is the
+# default fraction of the run (train.warmup_frac); the fixed warm-ups they had before it are kept
+# by name: `--set train.warmup_steps=preset`.
 # --------------------------------------------------------------------------------------------
+PRESET_WARMUP_STEPS: dict[str, int] = {"tiny": 30, "20m": 200, "70m": 200, "124m": 500, "350m": 1000,
+                                        "1b": 2000}
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": {"vocab_size": 4096, "d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 256},
-        "train": {"batch_size": 16, "seq_len": 128, "steps": 300, "lr": 3e-3, "warmup_steps": 30,
-                  "eval_every": 100, "ckpt_every": 100},
+        "train": {"batch_size": 16, "seq_len": 128, "steps": 300, "lr": 3e-3, "eval_every": 100,
+                  "ckpt_every": 100},
     },
     "20m": {
         "model": {"vocab_size": 8192, "d_model": 384, "n_layers": 8, "n_heads": 6, "n_kv_heads": 6,
                   "max_seq_len": 1024},
-        "train": {"batch_size": 32, "seq_len": 512, "steps": 4000, "lr": 1.5e-3, "warmup_steps": 200,
-                  "eval_every": 250, "ckpt_every": 1000, "compile": True},
+        "train": {"batch_size": 32, "seq_len": 512, "steps": 4000, "lr": 1.5e-3, "eval_every": 250,
+                  "ckpt_every": 1000, "compile": True},
     },
     # 60-80M, the second size of the paired verdict suites (verdicts-70m): 12 x 576, head dim 64.
     "70m": {
         "model": {"vocab_size": 16384, "d_model": 576, "n_layers": 12, "n_heads": 9, "n_kv_heads": 9,
                   "max_seq_len": 1024},
-        "train": {"batch_size": 32, "seq_len": 512, "steps": 6000, "lr": 1e-3, "warmup_steps": 200,
-                  "eval_every": 250, "ckpt_every": 1000, "compile": True},
+        "train": {"batch_size": 32, "seq_len": 512, "steps": 6000, "lr": 1e-3, "eval_every": 250,
+                  "ckpt_every": 1000, "compile": True},
     },
     "124m": {
         "model": {"vocab_size": 50304, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12,
                   "max_seq_len": 1024},
-        "train": {"batch_size": 32, "seq_len": 1024, "steps": 10000, "lr": 6e-4, "warmup_steps": 500,
-                  "eval_every": 500, "ckpt_every": 2000, "compile": True},
+        "train": {"batch_size": 32, "seq_len": 1024, "steps": 10000, "lr": 6e-4, "eval_every": 500,
+                  "ckpt_every": 2000, "compile": True},
     },
     "350m": {
         "model": {"vocab_size": 50304, "d_model": 1024, "n_layers": 24, "n_heads": 16, "n_kv_heads": 16,
                   "max_seq_len": 1024},
         "train": {"batch_size": 16, "seq_len": 1024, "grad_accum": 2, "steps": 20000, "lr": 3e-4,
-                  "warmup_steps": 1000, "eval_every": 1000, "ckpt_every": 2000, "compile": True},
+                  "eval_every": 1000, "ckpt_every": 2000, "compile": True},
     },
     "1b": {
         "model": {"vocab_size": 50304, "d_model": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
                   "max_seq_len": 2048},
         "train": {"batch_size": 8, "seq_len": 2048, "grad_accum": 4, "steps": 30000, "lr": 3e-4,
-                  "warmup_steps": 2000, "eval_every": 1000, "ckpt_every": 2000, "compile": True},
+                  "eval_every": 1000, "ckpt_every": 2000, "compile": True},
     },
 }
 
@@ -252,6 +289,12 @@ def make_config(
         tree = merge(tree, extra)
     for item in overrides or []:
         tree = merge(tree, parse_override(item))
+    train = tree.get("train")
+    if isinstance(train, dict) and train.get("warmup_steps") == "preset":
+        if not preset:
+            raise ConfigError("config error: train.warmup_steps: 'preset' names a preset's fixed warm-up; "
+                              "this config has no preset (give --preset, or a number of steps)")
+        tree = merge(tree, {"train": {"warmup_steps": PRESET_WARMUP_STEPS[preset]}})
     return config_from_dict(tree)
 
 

@@ -28,6 +28,9 @@ def FakeResult(**kw: Any) -> TrainResult:
     return TrainResult(**{"device": "fake-cpu", **kw})
 
 
+FINAL_SAMPLE_SHIFT = -0.0025  # the fake final evaluation's loss minus the curve's last
+
+
 def fake_loss(cfg: RunConfig, step: int) -> float:
     """Loss at ``step``: a decaying curve to a level set by init_std, plus per-run noise."""
     rng = random.Random(cfg.hash())
@@ -96,11 +99,15 @@ class FakeTrainer:
             if task is not None:
                 progress.update(task, completed=step)
         wall = time.perf_counter() - t0
-        loss = fake_loss(cfg, step)
+        # The final evaluation's sample is larger than the curve's: its loss differs a little from
+        # the last evaluation's (FINAL_SAMPLE_SHIFT), so a test can tell which one the lab took.
+        finished = step == tc.steps
+        loss = fake_loss(cfg, step) + (FINAL_SAMPLE_SHIFT if finished else 0.0)
         return FakeResult(final_val_loss=loss, final_val_bpb=loss / math.log(2) / 3.5, val_curve=val,
                           train_curve=train, tokens=step * tc.tokens_per_step, steps=step,
                           tokens_per_s=done * tc.tokens_per_step / wall if wall > 0 and done else 0.0,
-                          wall_s=wall, params=1000)
+                          wall_s=wall, params=1000, final_val_tokens=tc.final_eval_tokens if finished else None,
+                          final_val_se=0.001 if finished else None)
 
 
 def fake_costs(model: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:
@@ -145,7 +152,7 @@ baseline: llama
 variants:
   lower-init: {model.init_std: 0.01}
   same: {model.rope_theta: 5000.0}
-eval: {last_k: 2}
+eval: {last_k: 1}
 """
 
 
@@ -206,7 +213,7 @@ def write_tasks(dir_: Path) -> Path:
     return dir_
 
 
-DOWNSTREAM_EVAL = "eval: {last_k: 2, tasks: [piqa, lambada], task_dir: tasks, limit: 5}\n"
+DOWNSTREAM_EVAL = "eval: {last_k: 1, tasks: [piqa, lambada], task_dir: tasks, limit: 5}\n"
 
 
 def fake_latency_ms(cfg: RunConfig, phase: str, batch: int, length: int) -> float:

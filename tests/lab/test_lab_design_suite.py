@@ -38,7 +38,7 @@ def test_variants_baseline_is_the_baseline_seeds_with_the_same_run_ids(tmp_path:
 def test_new_keys_leave_run_ids_alone(tmp_path: Path) -> None:
     """Run ids hash (suite, label, init seed, data seed, config hash): eval.adjust and eval_data
     are in none of them, so adding them to a suite with results keeps every id (and result)."""
-    with_keys = (SUITE_YAML.replace("eval: {last_k: 2}", "eval: {last_k: 2, adjust: holm}")
+    with_keys = (SUITE_YAML.replace("eval: {last_k: 1}", "eval: {last_k: 1, adjust: holm}")
                  + "eval_data: {wiki: /somewhere/wiki}\n")
     assert _ids(tmp_path, "a", SUITE_YAML) == _ids(tmp_path, "b", with_keys)
 

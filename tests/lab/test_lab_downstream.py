@@ -23,7 +23,7 @@ from archlab.lab.suite import load_suite
 from tests.lab.lab_fakes import (DOWNSTREAM_EVAL, SUITE_YAML, FakeEval, FakeTrainer, fake_costs, write_suite,
                                  write_tasks)
 
-SUITE = SUITE_YAML.replace("eval: {last_k: 2}\n", DOWNSTREAM_EVAL)
+SUITE = SUITE_YAML.replace("eval: {last_k: 1}\n", DOWNSTREAM_EVAL)
 
 
 def quiet() -> Console:
@@ -77,7 +77,8 @@ def test_compare_evaluates_every_finished_run_once_and_reports(tmp_path: Path, m
     by = {s.label: s for s in data.summaries}
     assert data.tasks == ["piqa", "lambada"] and len(by["llama"].downstream["piqa"]) == 3
     header, table = results_table(data)
-    assert header[-3:] == ["verdict", "piqa acc_norm", "lambada acc"]
+    # the loss verdict, a downstream verdict per task family (piqa: commonsense), the task means
+    assert header[-5:] == ["verdict", "commonsense verdict", "lambada verdict", "piqa acc_norm", "lambada acc"]
     base, lower = by["llama"].task_mean("piqa"), by["lower-init"].task_mean("piqa")
     assert lower - base == pytest.approx(0.05, abs=0.02)
     assert table[1][-2] == f"{lower:.4f} ({lower - base:+.4f})" and table[0][-2] == f"{base:.4f}"
@@ -88,7 +89,8 @@ def test_compare_evaluates_every_finished_run_once_and_reports(tmp_path: Path, m
     assert se[1] and d_rows[0][2] == f"{base:.4f} ± {se[0]:.4f}" and d_rows[0][1] == "3/3"
     md = (out / "report.md").read_text()
     assert "## Downstream" in md and "| piqa acc_norm (n=5) |" in md and "first 5 items per task" in md
-    assert (out / "report.html").read_text().count("<table>") == 4  # results, costs, downstream, compute
+    # results, costs, downstream verdicts, downstream, compute
+    assert (out / "report.html").read_text().count("<table>") == 5
     shown = console.export_text()
     assert "downstream: piqa acc_norm" in shown and "lambada acc" in shown
 
@@ -216,10 +218,14 @@ def _downgrade_to_v1(db: Path) -> None:
     raw.execute("DROP TABLE latency")
     raw.execute("DROP TABLE heldout")  # v5
     raw.execute("ALTER TABLE runs DROP COLUMN runs_at_once")
+    for column in ("final_rule", "final_val_tokens", "final_val_se"):  # v6
+        raw.execute(f"ALTER TABLE runs DROP COLUMN {column}")
     plan = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
-    for key in ("tasks", "task_dir", "limit", "adjust"):
+    for key in ("tasks", "task_dir", "limit", "adjust", "final_tokens", "families"):
         del plan["suite"]["eval"][key]
     del plan["suite"]["eval_data"]
+    for run in plan["runs"]:  # planned budgets and schedules: v6 too
+        del run["budget"], run["schedule"]
     raw.execute("UPDATE meta SET value = ? WHERE key = 'plan'", (json.dumps(plan),))
     raw.execute("PRAGMA user_version = 1")
     assert {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {"meta", "runs"}
@@ -236,6 +242,9 @@ def test_a_v1_database_migrates_reports_and_gets_its_evaluations(tmp_path: Path)
 
     md, _ = write_report(plan.out_dir)  # opens (and migrates) the old file and reports it
     assert "| lower-init |" in md.read_text() and "Downstream" not in md.read_text() and before > 0
+    # its final losses were recorded under the old rule, and the report says so
+    assert "runs recorded before archlab evaluated the final weights alone" in md.read_text()
+    assert "Schedule: not recorded" in md.read_text()
     raw = sqlite3.connect(plan.out_dir / DB_NAME)
     assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     raw.close()

@@ -30,7 +30,7 @@ baseline: llama
 variants:
   attnres: {model.residual.kind: attnres}
   decode-branch: {model.branch.enabled: true}
-eval: {batches: 2, last_k: 2}
+eval: {batches: 2, last_k: 1}
 """
 
 

@@ -309,19 +309,23 @@ def test_a_v3_database_migrates_to_v4_and_takes_latencies(tmp_path: Path) -> Non
     raw = sqlite3.connect(db, isolation_level=None)  # what a v3 archlab left: no latency table, older plan
     raw.execute("DROP TABLE latency")
     raw.execute("DROP TABLE heldout")  # v5
+    for column in ("final_rule", "final_val_tokens", "final_val_se"):  # v6
+        raw.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+    raw.execute("ALTER TABLE downstream DROP COLUMN chance")
     meta = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
     for key in ("measure", "prompt", "batches", "steps"):
         del meta["suite"]["costs"][key]
     raw.execute("UPDATE meta SET value = ? WHERE key = 'plan'", (json.dumps(meta),))
     raw.execute("PRAGMA user_version = 3")
-    before = [tuple(r) for r in raw.execute("SELECT * FROM runs ORDER BY run_id")]
+    columns = ", ".join(r[1] for r in raw.execute("PRAGMA table_info(runs)"))  # v3's
+    before = [tuple(r) for r in raw.execute(f"SELECT {columns} FROM runs ORDER BY run_id")]
     raw.close()
 
     md, _ = write_report(plan.out_dir)  # opens (and migrates) the old file and reports it
     assert "Measured latency: none (costs.measure auto measures runs trained on CUDA" in md.read_text()
     raw = sqlite3.connect(db)
-    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
-    assert [tuple(r) for r in raw.execute("SELECT * FROM runs ORDER BY run_id")] == before
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert [tuple(r) for r in raw.execute(f"SELECT {columns} FROM runs ORDER BY run_id")] == before
     raw.close()
     done, running = plan.runs[0].run_id, plan.runs[3].run_id
     with ResultStore(db, create=False) as store:

@@ -21,7 +21,8 @@ from archlab.lab.display import RUNS_DIR, plan_table
 from archlab.lab.runner import run_suite, suite_lock
 from archlab.lab.store import DB_NAME, ResultStore
 from archlab.lab.suite import load_suite
-from tests.lab.lab_fakes import SUITE_YAML, FakePrepare, FakeTrainer, fake_costs, write_suite
+from tests.lab.lab_fakes import (FINAL_SAMPLE_SHIFT, SUITE_YAML, FakePrepare, FakeTrainer, fake_costs, fake_loss,
+                                 write_suite)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PATH": "/usr/bin:/bin"}
@@ -137,15 +138,44 @@ def test_divergence_is_recorded_and_the_suite_goes_on(tmp_path: Path) -> None:
         assert {r.status for r in rows} == {"diverged"} and "nan" in (rows[0].error or "")
 
 
-def test_final_loss_is_the_mean_of_the_last_k_evaluations(tmp_path: Path) -> None:
+def test_final_loss_is_the_trainers_final_evaluation(tmp_path: Path) -> None:
+    """eval.last_k 1 (the default): the final weights on the final sample, with its sample size and
+    standard error, not the curve's last evaluation (on the smaller curve sample)."""
     plan = build_plan(load_suite(write_suite(tmp_path)), tmp_path / "o", costs_fn=fake_costs)
     db = tmp_path / "o" / DB_NAME
     run_suite(plan, ResultStore(db), list(plan.runs[:1]), train_fn=FakeTrainer(), console=quiet())
     with ResultStore(db, create=False) as store:
         row = store.get(plan.runs[0].run_id)
-    last = [p["loss"] for p in row.val_curve[-2:]]  # eval.last_k = 2 in the test suite
-    assert row.final_val_loss == pytest.approx(sum(last) / 2)
+    assert row.final_val_loss == fake_loss(plan.runs[0].config, 40) + FINAL_SAMPLE_SHIFT
+    assert row.final_val_loss != row.val_curve[-1]["loss"]
+    assert (row.final_rule, row.final_val_tokens, row.final_val_se) == ("final weights", 1_048_576, 0.001)
     assert row.costs == {k: v for k, v in plan.runs[0].costs.items() if k in row.costs}
+
+
+def test_smoothing_averages_only_the_last_tenth_of_training(tmp_path: Path) -> None:
+    text = SUITE_YAML.replace("eval: {last_k: 1}", "eval: {last_k: 3, every: 2}")  # steps 36, 38, 40 of 40
+    plan = build_plan(load_suite(write_suite(tmp_path, text)), tmp_path / "o", costs_fn=fake_costs)
+    db = tmp_path / "o" / DB_NAME
+    run_suite(plan, ResultStore(db), list(plan.runs[:1]), train_fn=FakeTrainer(), console=quiet())
+    with ResultStore(db, create=False) as store:
+        row = store.get(plan.runs[0].run_id)
+    assert [p["step"] for p in row.val_curve[-3:]] == [36, 38, 40]
+    assert row.final_val_loss == pytest.approx(sum(p["loss"] for p in row.val_curve[-3:]) / 3)
+    assert row.final_rule == "mean of last 3 evaluations (steps 36-40)"
+
+
+@pytest.mark.parametrize("eval_, fix", [("{last_k: 2}", "eval.every: 4 or less"),  # 35 and 40 of 40
+                                        ("{last_k: 3, every: 2}", None)])
+def test_smoothing_over_more_than_a_tenth_is_refused(tmp_path: Path, capsys, eval_: str, fix: str | None) -> None:
+    from tests.helpers import run_cli
+
+    path = write_suite(tmp_path, SUITE_YAML.replace("eval: {last_k: 1}", f"eval: {eval_}"))
+    code, out, err = run_cli(capsys, "compare", str(path), "--dry-run", "--out", str(tmp_path / "o"))
+    if fix is None:  # the last 3 evaluations at steps 36-40: inside the last 10%
+        assert code == 0, err
+        return
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "eval.last_k" in err and "last 10% of training" in err and fix in err
 
 
 def managed_data_plan(tmp_path: Path, data: str):

@@ -54,16 +54,32 @@ def test_complete_pairing_decides_with_the_paired_test() -> None:
     assert shuffled.p == pytest.approx(c.p, rel=1e-12)
 
 
-def test_incomplete_pairing_is_decided_unpaired_but_reports_the_pairs() -> None:
-    # The baseline has a seed the variant lacks: Welch decides (the extra seed is not discarded).
-    c = compare(BASE, VAR[:2], n_tests=1, baseline_keys=KEYS, variant_keys=KEYS[:2])
-    assert c.method == "welch"
-    assert c.p == pytest.approx(sps.ttest_ind(VAR[:2], BASE, equal_var=False).pvalue, rel=1e-9)
-    assert c.paired is not None and c.paired.n == 2
-    assert c.paired.p == pytest.approx(sps.ttest_rel(VAR[:2], BASE[:2]).pvalue, rel=1e-9)
+def test_every_shared_seed_pair_decides() -> None:
+    """Issue 32: baseline seeds [0, 1, 2, 3] against variant seeds [0, 1, 2], data order = init
+    seed: the paired test decides on the 3 shared pairs (scipy's ttest_rel on them, by hand too);
+    the baseline's fourth seed is still in the noise floor and the unpaired test beside it."""
+    base = [3.1012, 3.0987, 3.1040, 3.0975]
+    var = [3.0950, 3.0941, 3.0998]
+    keys = [(s, s) for s in range(4)]
+    c = compare(base, var, n_tests=2, baseline_keys=keys, variant_keys=keys[:3])
+    assert c.method == "paired" and c.n_pairs == 3 and c.paired is not None and c.paired.n == 3
+    ref = sps.ttest_rel(var, base[:3])
+    assert c.p == pytest.approx(ref.pvalue, rel=1e-9) and c.t == pytest.approx(ref.statistic, rel=1e-9)
+    d = np.subtract(var, base[:3])
+    t_hand = d.mean() / (d.std(ddof=1) / math.sqrt(3))
+    assert c.t == pytest.approx(t_hand, rel=1e-12)
+    assert c.p == pytest.approx(2 * sps.t.sf(abs(t_hand), 2), rel=1e-12)
+    assert c.p_adjusted == pytest.approx(min(1.0, 2 * ref.pvalue), rel=1e-12)
+    assert c.diff == pytest.approx(np.mean(var) - np.mean(base), rel=1e-12)  # the effect: all seeds
+    assert c.z == pytest.approx(c.diff / np.std(base, ddof=1), rel=1e-12)  # the floor: all 4 seeds
+    assert c.unpaired is not None and c.unpaired.p == pytest.approx(
+        sps.ttest_ind(var, base, equal_var=False).pvalue, rel=1e-9)
+    # One shared pair is no paired test: the unpaired test over every run decides.
+    one = compare(base, var, n_tests=1, baseline_keys=keys, variant_keys=[(0, 0), (5, 5), (6, 6)])
+    assert one.method == "welch" and one.n_pairs == 1
     # Different data seeds are different pairs: nothing pairs, the paired test is absent.
     other = compare(BASE, VAR, n_tests=1, baseline_keys=KEYS, variant_keys=[(0, 9), (1, 9), (2, 9)])
-    assert other.method == "welch" and other.paired is None
+    assert other.method == "welch" and other.paired is None and other.n_pairs == 0
     # No keys: the old behaviour exactly.
     assert compare(BASE, VAR, n_tests=1).method == "welch"
 

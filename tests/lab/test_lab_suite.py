@@ -125,7 +125,7 @@ def test_managed_data_path_is_inside_the_suite_dir_and_portable(tmp_path: Path) 
 
 
 def _with_eval(extra: str) -> str:
-    return SUITE_YAML.replace("eval: {last_k: 2}", "eval: {last_k: 2, " + extra + "}")
+    return SUITE_YAML.replace("eval: {last_k: 1}", "eval: {last_k: 1, " + extra + "}")
 
 
 def test_downstream_eval_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +154,7 @@ def test_downstream_eval_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_float_spellings_and_null_defaults(tmp_path: Path) -> None:
     """Suite files read numbers as configs do: ``5e-2`` (a string to PyYAML) is a float; a key
     written without a value keeps its default."""
-    text = (SUITE_YAML.replace("eval: {last_k: 2}", "eval: {last_k: 2, alpha: 5e-2, every:}")
+    text = (SUITE_YAML.replace("eval: {last_k: 1}", "eval: {last_k: 1, alpha: 5e-2, every:}")
             + "estimate: {tokens_per_s: 9e3}\ncosts:\n  context:\n")
     suite = load_suite(write_suite(tmp_path, text))
     assert suite.eval.alpha == 0.05 and isinstance(suite.eval.alpha, float)
@@ -177,7 +177,18 @@ BAD = [
     ("name: nobudget\n", "budget: is required"),
     (SUITE_YAML.replace("budget:", "bugdet:"), "bugdet: unknown key"),
     (SUITE_YAML.replace("match: iso-token", "match: iso-time"), "budget.match: must be one of"),
-    (SUITE_YAML.replace("tokens: 81920", "tokens: lots"), "budget.tokens: expected int"),
+    (_with_eval("families: {a: [piqa]}"), "eval.families: applies to eval.tasks"),
+    (_with_eval("tasks: [piqa, lambada], families: {a: [piqa]}"), "eval.families: task 'lambada' of eval.tasks is in no family"),
+    (_with_eval("tasks: [piqa, lambada], families: {a: [piqa], b: [piqa, lambada]}"),
+     "eval.families: task 'piqa' is in more than one family"),
+    (_with_eval("tasks: [piqa], families: {a: [hellaswag]}"), "eval.families.a: 'hellaswag' is not one of eval.tasks"),
+    (_with_eval("final_tokens: 0"), "eval.final_tokens: must be positive"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: lots"), "budget.tokens: expected a number of tokens with an "
+                                                           "optional k/M/G suffix (e.g. 6.5M), got 'lots'"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: []"), "budget.tokens: is an empty list"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: [1M, 1000k]"), "budget.tokens: has repeated budgets"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: -3"), "budget.tokens: must be at least 1 token"),
+    (SUITE_YAML.replace("tokens: 81920", "tokens: {a: 1}"), "budget.tokens: expected a number of tokens"),
     (SUITE_YAML.replace("baseline: [0, 1, 2]", "baseline: [0, 0]"), "seeds.baseline: has repeated"),
     (SUITE_YAML.replace("model.init_std: 0.01", "model.init_sdt: 0.01"),
      "variants.lower-init: config error: unknown key 'model.init_sdt'"),
@@ -200,7 +211,7 @@ BAD = [
     (_with_eval("tasks: [piqa], task_dir: 7"), "eval.task_dir: expected str"),
     (_with_eval("limit: 10"), "eval.limit: applies to eval.tasks"),
     (_with_eval("task_dir: olmo"), "eval.task_dir: applies to eval.tasks"),
-    (_with_eval("taks: [piqa]"), "eval.taks: unknown key; allowed here: every, batches, last_k, alpha, tasks"),
+    (_with_eval("taks: [piqa]"), "eval.taks: unknown key; allowed here: every, batches, final_tokens, last_k, alpha, tasks"),
     (SUITE_YAML.replace("match: iso-token", "mach: iso-token"), "budget.mach: unknown key; allowed here: tokens, match"),
     (SUITE_YAML.replace("baseline: [0, 1, 2]", "baseline: [0, one]"), "seeds.baseline[1]: expected int, got 'one'"),
     (SUITE_YAML.replace("baseline: [0, 1, 2]", "baseline: [0, -1]"), "seeds.baseline: expected a non-empty list"),

@@ -47,7 +47,7 @@ def _diffs(path: Path, label: str) -> np.ndarray:
 
 def test_effects_and_their_change_against_a_hand_computation(two_sizes: tuple[Path, Path]) -> None:
     small, large = two_sizes
-    rows = trend([load_suite_dir(small), load_suite_dir(large)])
+    rows = trend([*load_suite_dir(small), *load_suite_dir(large)])
     assert [r.label for r in rows] == ["lower-init", "same"]
     welch = []
     for r in rows:
@@ -62,6 +62,12 @@ def test_effects_and_their_change_against_a_hand_computation(two_sizes: tuple[Pa
     low, high = sorted(welch)  # Holm over the two shared labels
     holm = {low: min(1.0, 2 * low), high: max(min(1.0, 2 * low), high)}
     assert [r.p_holm for r in rows] == pytest.approx([holm[p] for p in welch])
+    for r in rows:  # the trend's verdict follows from Holm's p and the two effects
+        first, last = r.points
+        expect = ("holds (no significant change)" if r.p_holm >= 0.05 else "reverses"
+                  if first.effect * last.effect < 0 and last.verdict in ("better", "worse")
+                  else "shrinks" if abs(last.effect) < abs(first.effect) else "grows")
+        assert r.verdict == expect
     table = markdown(rows)
     assert table.splitlines()[0].startswith("| variant | Δ small (adj. p, verdict) | Δ large")
     assert len(table.splitlines()) == 2 + len(rows)
@@ -70,7 +76,7 @@ def test_effects_and_their_change_against_a_hand_computation(two_sizes: tuple[Pa
 def test_trend_errors_are_one_line(two_sizes: tuple[Path, Path], tmp_path: Path) -> None:
     small, _ = two_sizes
     with pytest.raises(ArchlabError, match="at least two"):
-        trend([load_suite_dir(small)])
+        trend(load_suite_dir(small))
     with pytest.raises(ArchlabError, match="is not a suite directory"):
         load_suite_dir(tmp_path)
     cli = [sys.executable, "-m", "archlab.cli", "trend"]
@@ -80,3 +86,66 @@ def test_trend_errors_are_one_line(two_sizes: tuple[Path, Path], tmp_path: Path)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "not a suite directory" in missing.stderr
     ok = subprocess.run([*cli, *map(str, two_sizes), "--md"], capture_output=True, text=True)
     assert ok.returncode == 0 and "| lower-init |" in ok.stdout
+
+
+# ---- several token budgets in one suite -------------------------------------------------------
+MULTI = (SUITE_YAML.replace("tokens: 81920", "tokens: [40960, 80k, 122880]")  # 20, 39 and 60 steps
+         .replace("variants: [0, 1]}", "variants: baseline}")
+         .replace("warmup_steps: 2, eval_every: 5", "eval_every: 5"))
+
+
+def test_a_multi_budget_suite_plans_independent_runs_with_their_own_schedules(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path, MULTI)), tmp_path / "o", costs_fn=fake_costs)
+    assert plan.suite.budget.tokens == (40960, 80000, 122880)
+    assert len(plan.runs) == 3 * 3 * 3 and len({r.run_id for r in plan.runs}) == 27
+    by_budget = {b: [r for r in plan.runs if r.budget == b] for b in plan.suite.budget.tokens}
+    for budget, runs in by_budget.items():
+        steps = round(budget / 2048)
+        assert {r.steps for r in runs} == {steps} and {r.tokens for r in runs} == {steps * 2048}
+        # a schedule of its own length: warm-up 5% of its own steps, not a cut of the longest run's
+        assert {r.config.train.warmup for r in runs} == {round(0.05 * steps)}
+        assert {(r.label, r.init_seed) for r in runs} == {(lbl, s) for lbl in ("llama", "lower-init", "same")
+                                                          for s in (0, 1, 2)}
+    assert [r.config.train.warmup for r in (by_budget[40960][0], by_budget[122880][0])] == [1, 3]
+    assert plan.runs[0].budget == 40960  # the shortest budget trains first
+    assert "llama-41k-s0-d0-" in plan.runs[0].run_id and plan.meta()["runs"][0]["budget"] == 40960
+
+
+def test_trend_across_the_budgets_of_one_suite_against_a_hand_computation(tmp_path: Path) -> None:
+    plan = build_plan(load_suite(write_suite(tmp_path, MULTI)), tmp_path / "o", costs_fn=fake_costs)
+    with ResultStore(plan.out_dir / DB_NAME) as store:
+        run_suite(plan, store, list(plan.runs), train_fn=FakeTrainer(), console=Console(file=open(os.devnull, "w")))
+        rows_db = [r for r in store.runs() if r.status == "finished"]
+    points = load_suite_dir(plan.out_dir)
+    assert [p.budget for p in points] == [40960, 80000, 122880]
+    assert [p.name for p in points] == ["fake @41k tokens", "fake @80k tokens", "fake @123k tokens"]
+    rows = trend(points)
+    budget_of = {r.run_id: r.budget for r in plan.runs}
+
+    def diffs(label: str, budget: int) -> np.ndarray:
+        mine = [r for r in rows_db if budget_of[r.run_id] == budget]
+        base = {(r.init_seed, r.data_seed): r.final_val_loss for r in mine if r.label == "llama"}
+        return np.array([r.final_val_loss - base[(r.init_seed, r.data_seed)] for r in mine if r.label == label])
+
+    welch = []
+    for r in rows:
+        first, last = diffs(r.label, 40960), diffs(r.label, 122880)
+        assert [p.tokens for p in r.points] == [40960, 80000, 122880]
+        assert [p.effect for p in r.points] == pytest.approx(
+            [diffs(r.label, b).mean() for b in (40960, 80000, 122880)], abs=1e-12)
+        assert r.change == pytest.approx(last.mean() - first.mean(), abs=1e-12)
+        assert r.p == pytest.approx(sps.ttest_ind(last, first, equal_var=False).pvalue, rel=1e-9)
+        welch.append(r.p)
+    low, high = sorted(welch)
+    holm = {low: min(1.0, 2 * low), high: max(min(1.0, 2 * low), high)}
+    assert [r.p_holm for r in rows] == pytest.approx([holm[p] for p in welch])
+    # the report: a section per budget, the effects against length and their figure
+    from archlab.lab.report import write_report
+
+    md = write_report(plan.out_dir)[0].read_text()
+    assert all(f"## Budget {b} tokens" in md for b in ("41k", "80k", "123k"))
+    assert "## Effect against training length" in md and "effect_by_length.png" in md
+    assert (plan.out_dir / "effect_by_length.png").stat().st_size > 0
+    cli = subprocess.run([sys.executable, "-m", "archlab.cli", "trend", str(plan.out_dir), "--md"],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0 and "| lower-init |" in cli.stdout and "fake @123k tokens" in cli.stdout

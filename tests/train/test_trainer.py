@@ -62,7 +62,7 @@ def test_a_torn_last_metrics_record_is_dropped_on_resume(stdlib_data, tmp_path, 
     # one clean curve: every record parses, the kept ones unchanged, step 3 recomputed exactly
     recs = [json.loads(l) for l in log.read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in recs] == [("train", 1), ("train", 2), ("val", 2), ("train", 3),
-                                                      ("train", 4), ("val", 4)]
+                                                      ("train", 4), ("val", 4), ("final", 4)]
     assert log.read_text().splitlines()[:3] == lines[:3]
     assert recs[3]["loss"] == json.loads(lines[3])["loss"]
     assert [v["step"] for v in res.val_curve] == [2, 4]
@@ -137,6 +137,66 @@ def test_schedules(schedule):
         assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     else:  # stable until the last 20% of steps, then linear decay to the floor
         assert lrs[79] == 1.0 and lrs[80] == 1.0 and lrs[99] == pytest.approx(0.1 + 0.9 / 20)
+
+
+@pytest.mark.parametrize("steps", [400, 4000])
+def test_the_default_warmup_is_a_fraction_of_the_run(steps):
+    """A 400-step run and a 4000-step run warm up over the same 5% of their steps; the presets'
+    former fixed warm-up is still there by name (`train.warmup_steps=preset`), and recorded."""
+    tc = make_config("20m", overrides=[f"train.steps={steps}"]).train
+    assert tc.warmup_steps is None and tc.warmup == round(0.05 * steps)
+    lrs = [lr_at(s, tc) for s in range(steps)]
+    assert lrs[tc.warmup - 1] == pytest.approx(tc.lr) and lrs[tc.warmup - 2] < tc.lr
+    assert "warm-up 5% of the steps" in tc.schedule_text()
+    fixed = make_config("20m", overrides=[f"train.steps={steps}", "train.warmup_steps=preset"]).train
+    assert fixed.warmup == fixed.warmup_steps == 200 and "fixed warm-up of 200 steps" in fixed.schedule_text()
+    assert make_config("20m", overrides=[f"train.steps={steps}", "train.warmup_steps=preset"]).to_dict()[
+        "train"]["warmup_steps"] == 200  # the number is what the run records
+    with pytest.raises(ConfigError, match="train.warmup_steps: 'preset' names a preset's fixed warm-up"):
+        make_config(None, overrides=["train.warmup_steps=preset"])
+    with pytest.raises(ConfigError, match=r"train.warmup_frac: must be in \[0, 1\)"):
+        make_config("tiny", overrides=["train.warmup_frac=1"])
+
+
+def test_the_final_loss_is_the_saved_final_weights_on_the_final_sample(stdlib_data, tmp_path):
+    """Training ends with one evaluation of the final weights on the final sample (the val split's
+    first windows up to train.final_eval_tokens); evaluating the saved final checkpoint on that
+    sample gives the same number to the last digit (CPU), and `archlab eval --final` prints it."""
+    from archlab.eval.corpus import evaluate_checkpoint_on
+
+    cfg = small_config(stdlib_data, "train.steps=6", "train.eval_every=3", "train.final_eval_tokens=1000")
+    res = train(cfg, tmp_path / "run", show_progress=False)
+    final = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "final"]
+    assert len(final) == 1 and final[0]["step"] == 6
+    assert final[0]["val_tokens"] == res.final_val_tokens == 8 * 4 * 32  # 1000 tokens: 8 batches of 4 x 32
+    direct = evaluate_checkpoint_on(None, tmp_path / "run", final=True)
+    assert (direct["loss"], direct["bpb"], direct["tokens"]) == (res.final_val_loss, res.final_val_bpb, 1024)
+    assert res.final_val_se is not None and direct["se"] == res.final_val_se and 0 < res.final_val_se < 1
+    # the curve's last evaluation is of the same weights but on its own smaller sample (2 batches)
+    assert res.val_curve[-1]["step"] == 6 and res.val_curve[-1]["val_tokens"] == 2 * 4 * 32
+    assert res.val_curve[-1]["loss"] != res.final_val_loss
+    # resuming the finished run evaluates nothing again and returns the recorded final loss
+    again = train(cfg, tmp_path / "run", show_progress=False)
+    assert (again.final_val_loss, again.final_val_tokens) == (res.final_val_loss, res.final_val_tokens)
+    assert sum(json.loads(line)["kind"] == "final"
+               for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    out = subprocess.run([sys.executable, "-m", "archlab.cli", "eval", "--ckpt", str(tmp_path / "run"), "--final",
+                          "--json"], capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout)["loss"] == res.final_val_loss
+
+
+def test_sampling_se_by_hand():
+    from archlab.eval.corpus import sampling_se
+
+    # batch losses 2, 4 (equal weights): mean 3; ratio estimator sqrt(2/1 * (1^2 + 1^2) * w^2) / (2w) = 1
+    assert sampling_se([2.0 * 10, 4.0 * 10], [10, 10]) == pytest.approx(1.0)
+    assert sampling_se([5.0], [2]) is None
+    # unequal weights: the token-weighted mean, each batch weighted by its tokens
+    nats, tok = [1.0 * 3, 2.0 * 1], [3, 1]
+    mean = sum(nats) / sum(tok)
+    hand = math.sqrt(2 / 1 * sum((a - mean * w) ** 2 for a, w in zip(nats, tok))) / sum(tok)
+    assert sampling_se(nats, tok) == pytest.approx(hand)
 
 
 # ---- train.cuda_graph --------------------------------------------------------------------------

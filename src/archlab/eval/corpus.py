@@ -40,6 +40,10 @@ class CorpusScore:
     bytes: int  # UTF-8 bytes those targets stand for (end-of-text separators count 0)
     tokens_requested: int  # batches * batch_size * seq_len asked for; more than ``tokens`` when
     # the split ended first
+    batches: int = 0  # batches scored
+    # sampling standard error of ``loss``: the spread of the per-batch losses over the sample
+    # (batches are disjoint runs of the split, weighted by their tokens); None below 2 batches
+    se: float | None = None
 
     @property
     def clipped(self) -> bool:
@@ -64,9 +68,11 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
     on every rank (FSDP needs every rank in every forward) and is counted by rank 0 alone."""
     was_training = model.training
     model.eval()
-    sums = [0.0, 0, 0]  # nats, tokens, bytes
+    batches = data.val_batches(n_batches, batch_size, seq_len)
+    # Per batch: nats, tokens, bytes (summed over ranks once, at the end, as one vector)
+    sums = [0.0] * (3 * len(batches))
     try:
-        for x, y in data.val_batches(n_batches, batch_size, seq_len):
+        for i, (x, y) in enumerate(batches):
             counted = True
             if ranks is not None:
                 if x.shape[0] % ranks.world_size == 0:
@@ -78,16 +84,50 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
             if counted:
                 # nll is the mean over this batch's targets; the last batch may be smaller, so
                 # weight by its size to get the mean over all scored tokens.
-                sums[0] += float(out.nll) * y.numel()
-                sums[1] += y.numel()
-                sums[2] += data.target_bytes(y)
+                sums[3 * i] += float(out.nll) * y.numel()
+                sums[3 * i + 1] += y.numel()
+                sums[3 * i + 2] += data.target_bytes(y)
     finally:
         model.train(was_training)
     if ranks is not None:
         sums = ranks.sum(sums)
-    nats, tokens, n_bytes = sums[0], int(sums[1]), int(sums[2])
+    nats_b, tokens_b = sums[0::3], sums[1::3]
+    nats, tokens, n_bytes = sum(nats_b), int(sum(tokens_b)), int(sum(sums[2::3]))
     return CorpusScore(loss=nats / tokens, bpb=nats / math.log(2) / n_bytes, tokens=tokens, bytes=n_bytes,
-                       tokens_requested=n_batches * batch_size * seq_len)
+                       tokens_requested=n_batches * batch_size * seq_len, batches=len(batches),
+                       se=sampling_se(nats_b, tokens_b))
+
+
+def sampling_se(nats: list[float], tokens: list[float]) -> float | None:
+    """Standard error of the token-weighted mean loss ``sum(nats) / sum(tokens)`` over batches
+    (the ratio estimator's: ``sqrt(n / (n - 1) * sum(w_i^2 (l_i - mean)^2)) / sum(w_i)`` with
+    ``l_i`` a batch's mean loss and ``w_i`` its tokens); None below two batches."""
+    n = len(tokens)
+    if n < 2:
+        return None
+    total = sum(tokens)
+    mean = sum(nats) / total
+    spread = sum((a - mean * w) ** 2 for a, w in zip(nats, tokens))  # w^2 (l - mean)^2, l = a / w
+    return math.sqrt(n / (n - 1) * spread) / total
+
+
+def final_sample_batches(train: Any) -> int:
+    """How many validation batches of ``train.batch_size`` windows make the run's final
+    evaluation sample: ``train.final_eval_tokens`` rounded up to whole batches (the split ends it
+    sooner when it is smaller: the whole split up to the cap)."""
+    per_batch = train.batch_size * train.seq_len
+    return max(1, -(-train.final_eval_tokens // per_batch))
+
+
+def score_final(model: torch.nn.Module, data: Any, train: Any, *, device: torch.device | str = "cpu",
+                autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                ranks: Any = None) -> CorpusScore:
+    """The final evaluation of a run (``train`` is its ``TrainConfig``): the first
+    ``final_sample_batches(train)`` validation batches at the run's batch size and sequence length,
+    the same windows for every run on this data. Training ends with it, and calling it again on
+    the saved final weights gives the same numbers (``archlab eval --final``)."""
+    return score_validation(model, data, final_sample_batches(train), train.batch_size, train.seq_len,
+                            device=device, autocast=autocast, ranks=ranks)
 
 
 def clipped_note(score: CorpusScore, data_path: str | Path) -> str:
@@ -109,13 +149,17 @@ def check_same_tokenizer(ckpt: Path, data: Any) -> None:
 
 def evaluate_checkpoint_on(data_dir: str | Path | None, ckpt: str | Path, *, batches: int = 16,
                            batch_size: int = 8, seq_len: int | None = None,
-                           device: torch.device | str = "cpu") -> dict[str, Any]:
+                           device: torch.device | str = "cpu", final: bool = False) -> dict[str, Any]:
     """Loss and bits per byte of checkpoint ``ckpt`` (a run or checkpoint directory) on the
     validation split of ``data_dir`` (None: the data it was trained on).
 
-    Returns ``{"loss", "bpb", "tokens", "bytes", "tokens_requested", "checkpoint", "data"}``.
-    ``seq_len`` defaults to the training sequence length. The data must have been tokenized with
-    the checkpoint's tokenizer; anything else is a ``DataError``.
+    Returns ``{"loss", "bpb", "tokens", "bytes", "tokens_requested", "batches", "se", "checkpoint",
+    "data"}``. ``seq_len`` defaults to the training sequence length. ``final``: the run's final
+    evaluation sample instead (``score_final``: its batch size, sequence length and
+    ``final_eval_tokens``, and bf16 autocast on CUDA as in training), so the final loss a run
+    recorded is reproduced from its saved weights; ``batches``, ``batch_size`` and ``seq_len``
+    are then unused. The data must have been tokenized with the checkpoint's tokenizer; anything
+    else is a ``DataError``.
     """
     from archlab.data.loader import TokenData
     from archlab.io.checkpoint import load_model
@@ -124,9 +168,15 @@ def evaluate_checkpoint_on(data_dir: str | Path | None, ckpt: str | Path, *, bat
     data = TokenData(data_dir if data_dir is not None else cfg.data.path)
     data.check_model_vocab(cfg.model.vocab_size)
     check_same_tokenizer(ckpt_dir, data)
+    if final:
+        bf16 = torch.device(device).type == "cuda" and cfg.train.dtype in ("auto", "bfloat16")
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+        score = score_final(model, data, cfg.train, device=device, autocast=autocast)
+        return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path)}
     seq = seq_len or cfg.train.seq_len
     if seq > cfg.model.max_seq_len:
         raise UsageError(f"--seq-len must be at most the model's context of {cfg.model.max_seq_len} tokens, "
                          f"got {seq}")
     score = score_validation(model, data, batches, batch_size, seq, device=device)
     return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path)}
+

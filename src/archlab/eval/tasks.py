@@ -488,3 +488,11 @@ def _request_item(spec: TaskSpec, group: list[tuple[Row, dict]]) -> Item:
     shared = len(set(ctxs)) == 1
     return MCItem(ctxs[0] if shared else os.path.commonprefix(list(ctxs)), conts, gold,
                   None if shared else ctxs)
+
+
+def chance_level(items: list[Item]) -> float:
+    """The headline metric's expected value for a model that guesses: the mean over items of
+    1 / number of choices for multiple choice (acc_norm), 0 for an item scored by exact match."""
+    if not items:
+        return 0.0
+    return sum(1.0 / len(it.continuations) if isinstance(it, MCItem) else 0.0 for it in items) / len(items)

@@ -94,12 +94,14 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     r.set_defaults(func=run_report)
 
     t = subparsers.add_parser(
-        "trend", help="how each variant's effect moves between suites of two or more model sizes",
-        description="For every variant label the suite directories share: its effect on the final "
-                    "validation loss against each suite's own baseline, with that suite's adjusted p "
-                    "and verdict, and the change from the first directory to the last, tested by "
-                    "Welch's t-test on the per-seed differences (Holm over the labels). Give the "
-                    "directories smallest model first.")
+        "trend", help="how each variant's effect moves between model sizes (suites) or training lengths "
+                      "(a suite's budgets)",
+        description="For every variant label the points share: its effect on the final validation loss "
+                    "against each point's own baseline, with that point's adjusted p and verdict, the "
+                    "change from the first point to the last, tested by Welch's t-test on the per-seed "
+                    "differences (Holm over the labels), and whether the effect holds, shrinks, grows or "
+                    "reverses. A point is a suite directory, or each token budget of a suite with several "
+                    "(shortest first). Give the directories smallest model first.")
     t.add_argument("dirs", type=Path, nargs="+", metavar="DIR", help="finished suite directories (hold results.sqlite)")
     t.add_argument("--md", action="store_true", help="print a Markdown table instead of the terminal table")
     t.set_defaults(func=run_trend)
@@ -275,27 +277,18 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_trend(args: argparse.Namespace) -> int:
-    """The ``trend`` command."""
+    """The ``trend`` command: across suite directories, and across the budgets of each."""
     from rich.console import Console
-    from rich.table import Table
 
-    from archlab.lab.report.trend import load_suite_dir, markdown, trend
+    from archlab.lab.report.trend import load_suite_dir, markdown, trend, trend_table
 
-    if len(args.dirs) < 2:
-        raise UsageError("trend needs at least two suite directories, smallest model first")
-    rows = trend([load_suite_dir(d) for d in args.dirs])
+    points = [p for d in args.dirs for p in load_suite_dir(d)]
+    if len(points) < 2:
+        raise UsageError("trend needs at least two points: two suite directories (smallest model first), "
+                         "or one suite with several token budgets (budget.tokens: [...])")
+    rows = trend(points)
     if args.md:
         print(markdown(rows))
         return 0
-    names = [p.suite for p in rows[0].points]
-    table = Table(title="effect against each suite's baseline (final validation loss; negative is better)")
-    for col in ["variant", *[f"Δ {n}" for n in names], "change", "p Welch", "p Holm"]:
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for r in rows:
-        cells = [r.label]
-        cells += ["-" if p.effect is None else f"{p.effect:+.4f} {p.verdict}" for p in r.points]
-        cells += ["-" if r.change is None else f"{r.change:+.4f}",
-                  "-" if r.p is None else f"{r.p:.2g}", "-" if r.p_holm is None else f"{r.p_holm:.2g}"]
-        table.add_row(*cells)
-    Console().print(table)
+    Console().print(trend_table(rows))
     return 0

@@ -179,8 +179,9 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow],
     estimate comes from). ``live``: the keys of live claims (``ResultStore.live_claims``), which
     tell a run that is training now (``running``) from one whose process is gone
     (``interrupted``); None shows the stored status."""
-    table = Table(title=f"suite {plan.suite.name}: {len(runs)} runs, budget "
-                        f"{si(plan.suite.budget.tokens)} tokens ({plan.suite.budget.match}"
+    budgets = plan.suite.budget.tokens
+    table = Table(title=f"suite {plan.suite.name}: {len(runs)} runs, budget{'s' if len(budgets) > 1 else ''} "
+                        f"{', '.join(si(b) for b in budgets)} tokens ({plan.suite.budget.match}"
                         + "".join(f"; {k}: {m}" for k, m in sorted(plan.suite.budget.variant_match.items()))
                         + ")",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
@@ -207,7 +208,8 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow],
             sources.add(source)
             est = "?"
         c = run.costs
-        table.add_row(f"{run.label} s{run.init_seed}", str(run.data_seed), str(run.steps), si(run.tokens),
+        name = f"{run.label} s{run.init_seed}" + (f" @{si(run.budget)}" if len(budgets) > 1 else "")
+        table.add_row(name, str(run.data_seed), str(run.steps), si(run.tokens),
                       si(c["params_total"]) + ("" if c["params_active"] == c["params_total"]
                                                 else f" ({si(c['params_active'])} act)"),
                       si(c["train_flops_per_token"]), si(c["prefill_flops_per_token"]),
@@ -217,6 +219,8 @@ def plan_table(plan: Plan, runs: list[PlannedRun], rows: dict[str, RunRow],
                f"estimated time {'at least ' if unknown else ''}{duration(total_s)} "
                f"({'; '.join(sorted(sources)) or 'nothing to run'}); decode costs at context "
                f"{runs[0].cost_context if runs else '-'}")
+    if runs:
+        summary += f"; schedule: {runs[0].config.train.schedule_text()} (the baseline's first run)"
     if states.get("running"):
         summary += f"; {states['running']} being trained by a live process now"
     if states.get("interrupted"):

@@ -1,10 +1,14 @@
 """From a suite to a list of fully built runs: configs, budgets, costs and run ids.
 
-Planning builds and validates every run's ``RunConfig`` up front, so an unknown variant key or a
-budget too small for the warm-up fails before anything trains. It also fixes each run's identity:
-the run id is a hash of (suite name, label, init seed, data seed, config hash), so a resumed
-suite finds its rows and a changed config (budget, ``--set``) gets new rows instead of reusing
-old results.
+Planning builds and validates every run's ``RunConfig`` up front, so an unknown variant key, a
+budget too small for the warm-up or a final loss smoothed over more than the last 10% of training
+fails before anything trains. It also fixes each run's identity: the run id is a hash of (suite
+name, label, init seed, data seed, config hash), so a resumed suite finds its rows and a changed
+config (budget, ``--set``) gets new rows instead of reusing old results.
+
+A suite with several token budgets plans every (label, seed) once per budget: separate runs, each
+trained from scratch with the schedule of its own length (warm-up and decay are fractions of its
+steps), never a longer run cut short.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class PlannedRun:
     tokens: int  # steps * tokens per step
     costs: dict[str, float]
     cost_context: int
+    budget: int = 0  # the suite budget (baseline tokens) this run belongs to
 
     @property
     def steps(self) -> int:
@@ -82,7 +87,8 @@ class Plan:
             "labels": self.labels,
             "runs": [{"run_id": r.run_id, "label": r.label, "role": r.role, "init_seed": r.init_seed,
                       "data_seed": r.data_seed, "tokens": r.tokens, "steps": r.steps, "costs": r.costs,
-                      "cost_context": r.cost_context}
+                      "cost_context": r.cost_context, "budget": r.budget,
+                      "schedule": r.config.train.schedule_text()}
                      for r in self.runs],
         }
 
@@ -169,6 +175,8 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
         eval_tree["train"]["eval_every"] = suite.eval.every
     if suite.eval.batches is not None:
         eval_tree["train"]["eval_batches"] = suite.eval.batches
+    if suite.eval.final_tokens is not None:
+        eval_tree["train"]["final_eval_tokens"] = suite.eval.final_tokens
 
     def build(label: str, init_seed: int, data_seed: int, steps: int,
               schedule: dict[str, int] | None = None) -> RunConfig:
@@ -204,41 +212,48 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
             return 1.0
         return base_fpt / costs[label]["train_flops_per_token"]
 
-    def steps_for(label: str) -> int:
-        return max(1, round(suite.budget.tokens * token_scale(label) / probe[label].train.tokens_per_step))
+    def steps_for(label: str, budget: int) -> int:
+        return max(1, round(budget * token_scale(label) / probe[label].train.tokens_per_step))
 
     def schedule_for(label: str, steps: int) -> dict[str, int] | None:
         """An iso-FLOP run shorter or longer than its iso-token self keeps its schedule's shape:
-        warm-up and evaluations at the same fractions of training (a fixed 200-step warm-up in a
-        211-step run would leave it at its peak rate for 11 steps, and the last evaluations would
-        average different stages of training). The label's own settings are its probe's."""
+        evaluations (and a fixed warm-up, where a config sets one; the default warm-up is already a
+        fraction of the steps) at the same fractions of training. The label's own settings are its
+        probe's."""
         scale = token_scale(label)
         if scale == 1.0:
             return None
         own = probe[label].train
-        return {"warmup_steps": min(steps, round(own.warmup_steps * scale)),
-                "eval_every": max(1, round(own.eval_every * scale))}
+        out = {"eval_every": max(1, round(own.eval_every * scale))}
+        if own.warmup_steps is not None:
+            out["warmup_steps"] = min(steps, round(own.warmup_steps * scale))
+        return out
 
     # Pass 2: the runs, interleaved by seed index so partial results cover every label early.
     runs: list[PlannedRun] = []
     seed_lists = {suite.baseline: suite.seeds.baseline, **{v: suite.seeds.variants for v in suite.variants}}
-    for i in range(max(len(s) for s in seed_lists.values())):
-        for label, seeds in seed_lists.items():
-            if i >= len(seeds):
-                continue
-            init_seed = seeds[i]
-            data_seed = suite.seeds.data_seed(init_seed)
-            steps = steps_for(label)
-            cfg = build(label, init_seed, data_seed, steps, schedule=schedule_for(label, steps))
-            chash = _portable_hash(cfg, out_dir)
-            ident = json.dumps([suite.name, label, init_seed, data_seed, chash])
-            run_id = f"{label}-s{init_seed}-d{data_seed}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}"
-            runs.append(PlannedRun(
-                run_id=run_id, label=label,
-                role="baseline" if label == suite.baseline else "variant",
-                init_seed=init_seed, data_seed=data_seed, config=cfg, config_hash=chash,
-                tokens=cfg.train.steps * cfg.train.tokens_per_step, costs=costs[label],
-                cost_context=suite.costs.context or cfg.train.seq_len))
+    # Budgets in ascending order: the short runs, which give a first verdict soonest, come first.
+    for budget in suite.budget.tokens:
+        for i in range(max(len(s) for s in seed_lists.values())):
+            for label, seeds in seed_lists.items():
+                if i >= len(seeds):
+                    continue
+                init_seed = seeds[i]
+                data_seed = suite.seeds.data_seed(init_seed)
+                steps = steps_for(label, budget)
+                cfg = build(label, init_seed, data_seed, steps, schedule=schedule_for(label, steps))
+                check_smoothing(suite, label, cfg)
+                chash = _portable_hash(cfg, out_dir)
+                ident = json.dumps([suite.name, label, init_seed, data_seed, chash])
+                digest = hashlib.sha256(ident.encode()).hexdigest()[:10]
+                tag = f"-{_budget_tag(budget)}" if len(suite.budget.tokens) > 1 else ""  # readable apart
+                run_id = f"{label}{tag}-s{init_seed}-d{data_seed}-{digest}"
+                runs.append(PlannedRun(
+                    run_id=run_id, label=label,
+                    role="baseline" if label == suite.baseline else "variant",
+                    init_seed=init_seed, data_seed=data_seed, config=cfg, config_hash=chash,
+                    tokens=cfg.train.steps * cfg.train.tokens_per_step, costs=costs[label],
+                    cost_context=suite.costs.context or cfg.train.seq_len, budget=budget))
 
     jobs: dict[Path, DataJob] = {}
     if suite.data is not None:
@@ -249,6 +264,42 @@ def build_plan(suite: Suite, out_dir: Path, overrides: list[str] | tuple[str, ..
                                  max_bytes=max_bytes, recipe=suite.data.recipe)
     return Plan(suite=suite, out_dir=out_dir, overrides=tuple(overrides), runs=tuple(runs),
                 data_jobs=tuple(jobs.values()))
+
+
+def _budget_tag(tokens: int) -> str:
+    """A budget in a run id: ``6.55M``, ``57M``, ``410k``."""
+    for div, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if tokens >= div:
+            return f"{tokens / div:.3g}{unit}"
+    return str(tokens)
+
+
+def evaluation_steps(steps: int, every: int) -> list[int]:
+    """The steps at which training evaluates: every ``every`` steps and at the last step."""
+    return sorted(set(range(every, steps + 1, every)) | {steps})
+
+
+SMOOTHING_WINDOW = 0.1  # a smoothed final loss may only average evaluations of the last 10%
+
+
+def check_smoothing(suite: Suite, label: str, cfg: RunConfig) -> None:
+    """Refuse ``eval.last_k > 1`` whose evaluations reach back further than the last 10% of a
+    run: such a "final" loss would average models from earlier in training, and a variant that
+    learns faster early but ends level would be called better."""
+    k = suite.eval.last_k
+    if k == 1:
+        return
+    tc = cfg.train
+    shown = evaluation_steps(tc.steps, tc.eval_every)[-k:]
+    start = tc.steps * (1 - SMOOTHING_WINDOW)
+    if len(shown) < k or shown[0] < start:
+        every = max(1, int(tc.steps * SMOOTHING_WINDOW / (k - 1)))
+        where = (f"steps {shown[0]}-{shown[-1]}" if len(shown) == k
+                 else f"more evaluations than the run's {len(shown)}")
+        raise ConfigError(
+            f"suite error: {suite.origin}: eval.last_k: the last {k} evaluations of {label} ({tc.steps} steps) "
+            f"span {where}, more than the last 10% of training; set eval.last_k: 1 (the final weights, the "
+            f"default) or eval.every: {every} or less")
 
 
 def select(plan: Plan, variants: list[str] | None) -> list[PlannedRun]:

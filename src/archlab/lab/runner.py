@@ -75,7 +75,7 @@ from archlab.lab.launchers import GpuLauncher, Launcher, PoolLauncher
 from archlab.lab.plan import DataJob, Plan, PlannedRun
 from archlab.lab.session import Session
 from archlab.lab.stoprule import check_seed_plan
-from archlab.lab.store import (Heartbeat, ResultStore, RunRow, RunStart, TrainOutcome,
+from archlab.lab.store import (FINAL_WEIGHTS, Heartbeat, ResultStore, RunRow, RunStart, TrainOutcome,
                                downstream_key)
 
 
@@ -161,14 +161,16 @@ def code_revision() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def final_metrics(val_curve: list[dict[str, Any]], last_k: int, fallback: tuple[float, float]) -> tuple[float, float]:
-    """Final (loss, bpb): the mean of the last ``last_k`` evaluations, which damps the noise of
-    a single evaluation; the trainer's own final values when it logged no curve."""
-    tail = val_curve[-last_k:]
-    if not tail:
-        return fallback
-    return (statistics.fmean(float(p["loss"]) for p in tail),
-            statistics.fmean(float(p["bpb"]) for p in tail))
+def final_metrics(result: TrainOutcome, last_k: int) -> tuple[float, float, str]:
+    """Final (loss, bpb, how they were obtained) of a finished run. ``last_k`` 1 (the default):
+    the trainer's final evaluation, the final weights on the final sample. ``last_k`` k > 1: the
+    mean of the last k evaluations of the loss curve, which the plan has checked all lie in the
+    last 10% of training (``archlab.lab.plan.check_smoothing``)."""
+    tail = result.val_curve[-last_k:]
+    if last_k == 1 or len(tail) < last_k:
+        return result.final_val_loss, result.final_val_bpb, FINAL_WEIGHTS
+    return (statistics.fmean(float(p["loss"]) for p in tail), statistics.fmean(float(p["bpb"]) for p in tail),
+            f"mean of last {last_k} evaluations (steps {tail[0]['step']}-{tail[-1]['step']})")
 
 
 @contextmanager
@@ -285,9 +287,9 @@ def _train_claimed(store: ResultStore, job: _Job, train: Callable[[RunConfig, Pa
             store.release(run.run_id, owner)
             return RunEnd("stopped", f"{name} stopped at step {result.steps} of {run.steps}{took}; "
                                      "run compare again to continue it")
-        loss, bpb = final_metrics(result.val_curve, job.last_k, (result.final_val_loss, result.final_val_bpb))
+        loss, bpb, rule = final_metrics(result, job.last_k)
         store.finish_run(run.run_id, result, final_val_loss=loss, final_val_bpb=bpb,
-                         runs_at_once=beat.sample(store))
+                         runs_at_once=beat.sample(store), final_rule=rule)
     return RunEnd("finished", f"{name}{took}: val loss {loss:.4f} ({bpb:.4f} bits/byte), "
                               f"{si(result.tokens)} tokens, {result.tokens_per_s:,.0f} tok/s, "
                               f"{duration(result.wall_s)}", store.get(run.run_id))
@@ -467,6 +469,10 @@ class _Downstream:
         if set(results) != set(items):
             raise RuntimeError(f"downstream evaluation of {run.run_id} returned tasks {sorted(results)}, "
                                f"expected {sorted(items)}")
+        from archlab.eval.tasks import chance_level
+
+        # each task's chance level, stored with its result: the downstream verdicts draw none at chance
+        results = {name: {**r, "chance": chance_level(items[name])} for name, r in results.items()}
         self.store.add_downstream(run.run_id, results, limit=self.limit, sources=self.sources)
         scores = ", ".join(f"{name} {_headline(r)}" for name, r in results.items())
         progress.console.print(f"{run.label} seed {run.init_seed} downstream: {scores}", highlight=False)

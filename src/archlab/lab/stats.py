@@ -18,11 +18,14 @@ The protocol (docs METHODOLOGY, "Seeds and noise floor" and "Statistics"; docs/r
   same batches in the same order, so their losses share that part of the noise. With at least two
   such pairs the paired t-test on the per-pair differences ``d`` (``t = mean(d) / (sd(d) /
   sqrt(n))``, ``n - 1`` degrees of freedom; scipy's ``ttest_rel``) is computed too.
-* **Which test decides.** The paired test when pairing is *complete*: the variant's finished
-  runs and the baseline's finished runs have exactly the same seed pairs, at least two. Otherwise
-  the unpaired test (a suite whose baseline has more seeds than its variants stays unpaired, so the
-  baseline's extra seeds are not thrown away). The rule depends on which runs finished, never on
-  their losses, so it cannot be steered by the outcome. Both tests are always reported.
+* **Which test decides.** The paired test on every (init seed, data seed) pair the variant's
+  finished runs share with the baseline's, whenever there are at least two such pairs; a seed
+  one side has and the other lacks is left out of that test (the baseline's unpaired seeds still
+  give the noise floor, and the unpaired test over all runs is shown beside it). Pairs that exist
+  are never thrown away: a baseline with seeds [0, 1, 2, 3] against a variant with [0, 1, 2]
+  decides on 3 pairs, where the shared batches and data order cancel from each difference. Below
+  two pairs the unpaired test decides. The rule depends on which runs finished, never on their
+  losses, so it cannot be steered by the outcome. Both tests are always reported.
 * The **95% confidence interval** of the difference uses the deciding test's standard error and
   degrees of freedom. It is not widened for multiple comparisons; the verdict is.
 * **Multiple comparisons** over the ``m`` variants of the suite: Bonferroni
@@ -58,7 +61,8 @@ from scipy.optimize import brentq
 from archlab.lab.suite import ADJUSTMENTS
 
 Verdict = Literal["better", "worse", "no significant difference", "insufficient seeds", "undetermined",
-                  "not valid: seeds changed after results"]  # the last: archlab.lab.stoprule
+                  "not valid: seeds changed after results",  # archlab.lab.stoprule
+                  "no verdict: baseline at chance"]  # downstream verdicts (archlab.lab.report.downstream)
 Method = Literal["welch", "pooled (single seed)", "paired", "none"]
 Adjust = Literal["bonferroni", "holm"]
 POWER = 0.8  # the conventional power of the minimum detectable effect
@@ -87,8 +91,9 @@ class Comparison:
     """One variant against the baseline; ``None`` where the seeds do not allow a number.
 
     ``method``, ``t``, ``df``, ``p``, the CI and ``p_adjusted`` are the deciding test's
-    (``paired`` when pairing is complete, else ``unpaired``); ``p_adjusted`` is Bonferroni's and
-    ``p_holm`` Holm's (None until ``decide_family`` has seen the whole suite)."""
+    (``paired`` when at least two seed pairs are shared, else ``unpaired``); ``p_adjusted`` is
+    Bonferroni's and ``p_holm`` Holm's (None until ``decide_family`` has seen the whole suite).
+    ``n_pairs``: the seed pairs the two sides share (what the paired test is over)."""
 
     n_baseline: int
     n_variant: int
@@ -109,6 +114,8 @@ class Comparison:
     p_holm: float | None = None
     mde: float | None = None  # of the deciding test at the suite's planned seeds (see module doc)
     adjust: Adjust = "bonferroni"
+    n_pairs: int = 0
+    lower_is_better: bool = True  # a loss (the default); False for an accuracy
 
 
 def noise_floor(baseline: Sequence[float]) -> float | None:
@@ -224,23 +231,24 @@ def holm(ps: Sequence[float | None], m: int | None = None) -> list[float | None]
     return out
 
 
-def _verdict(diff: float, p_adj: float, alpha: float) -> Verdict:
+def _verdict(diff: float, p_adj: float, alpha: float, lower_is_better: bool = True) -> Verdict:
     if p_adj < alpha:
-        return "better" if diff < 0 else "worse"
+        return "better" if (diff < 0) == lower_is_better else "worse"
     return "no significant difference"
 
 
 def compare(
     baseline: Sequence[float], variant: Sequence[float], n_tests: int, alpha: float = 0.05, *,
     baseline_keys: Sequence[SeedKey] | None = None, variant_keys: Sequence[SeedKey] | None = None,
-    planned: tuple[int, int] | None = None, power: float = POWER,
+    planned: tuple[int, int] | None = None, power: float = POWER, lower_is_better: bool = True,
 ) -> Comparison:
     """Test ``variant`` against ``baseline`` (final losses, one per seed); see the module doc.
 
     ``baseline_keys`` / ``variant_keys``: each run's seed pair, for the paired test (without
     them only the unpaired test is made). ``planned``: the suite's (baseline, variant) seed counts
     for the unpaired MDE (default: the finished counts). The verdict here is Bonferroni's;
-    ``decide_family`` adds Holm's p and applies the suite's adjustment."""
+    ``decide_family`` adds Holm's p and applies the suite's adjustment. ``lower_is_better``: False
+    for a score such as accuracy (a significant positive difference is then "better")."""
     if n_tests < 1:
         raise ValueError(f"n_tests must be >= 1, got {n_tests}")
     a = np.asarray(baseline, dtype=np.float64)
@@ -253,12 +261,12 @@ def compare(
     base = dict(n_baseline=len(a), n_variant=len(b), mean_baseline=float(a.mean()),
                 mean_variant=float(b.mean()), diff=diff, z=z)
     unpaired = unpaired_test(a, b)
-    paired, complete, diffs = None, False, []
+    paired, diffs = None, []
     if baseline_keys is not None and variant_keys is not None:
-        diffs, complete = pairs(list(a), list(b), baseline_keys, variant_keys)
+        diffs, _complete = pairs(list(a), list(b), baseline_keys, variant_keys)
         paired = paired_test(diffs)
     level = alpha / n_tests
-    if complete and len(diffs) >= 2:
+    if len(diffs) >= 2:  # every shared pair decides, whether or not each side has more seeds
         decider: TTest | None = paired
         method: Method = "paired"
         sd = float(np.std(diffs, ddof=1))
@@ -269,7 +277,7 @@ def compare(
             "welch" if min(len(a), len(b)) >= 2 else "pooled (single seed)")
         nb, nv = planned or (len(a), len(b))
         mde = mde_unpaired(floor, nb, nv, level, power) if floor else None
-    extra = dict(unpaired=unpaired, paired=paired, mde=mde)
+    extra = dict(unpaired=unpaired, paired=paired, mde=mde, n_pairs=len(diffs), lower_is_better=lower_is_better)
     if method == "none":
         return Comparison(**base, method=method, t=None, df=None, p=None, ci_low=None, ci_high=None,
                           p_adjusted=None, verdict="insufficient seeds", **extra)
@@ -278,7 +286,8 @@ def compare(
                           p_adjusted=None, verdict="undetermined", **extra)
     p_adj = min(1.0, decider.p * n_tests)
     return Comparison(**base, method=method, t=decider.t, df=decider.df, p=decider.p, ci_low=decider.ci_low,
-                      ci_high=decider.ci_high, p_adjusted=p_adj, verdict=_verdict(diff, p_adj, alpha), **extra)
+                      ci_high=decider.ci_high, p_adjusted=p_adj, verdict=_verdict(diff, p_adj, alpha, lower_is_better),
+                      **extra)
 
 
 def decide_family(comparisons: Sequence[Comparison | None], n_tests: int, alpha: float,
@@ -295,6 +304,6 @@ def decide_family(comparisons: Sequence[Comparison | None], n_tests: int, alpha:
             continue
         verdict = c.verdict
         if adjust == "holm" and ph is not None:
-            verdict = _verdict(c.diff, ph, alpha)
+            verdict = _verdict(c.diff, ph, alpha, c.lower_is_better)
         out.append(replace(c, p_holm=ph, verdict=verdict, adjust=adjust))
     return out

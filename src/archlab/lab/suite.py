@@ -15,10 +15,13 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
                                          #   <source>-v<vocab> when missing (sets data.path);
                                          #   {recipe: en-mix} prepares a corpus recipe instead
     budget:
-      tokens: 409600              # training tokens of the baseline run
+      tokens: 409600              # training tokens of the baseline run; SI suffixes allowed (6.5M);
+                                  #   a list ([6.5M, 20M, 57M]) trains every run once per budget,
+                                  #   each from scratch with its own schedule, and the report gives
+                                  #   each variant's effect at every budget and its trend
       match: iso-token            # or iso-flop: a variant trains budget * F_base / F_variant
-                                  #   tokens (F = training FLOPs per token), with its warm-up
-                                  #   and evaluation interval scaled by the same factor
+                                  #   tokens (F = training FLOPs per token), with its evaluation
+                                  #   interval (and a fixed warm-up) scaled by the same factor
     seeds:
       baseline: [0, 1, 2]         # init seeds of the baseline (noise floor); default [0, 1, 2]
       variants: [0]               # init seeds of every variant; default [0]; `baseline`: the
@@ -32,8 +35,13 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
       branch-isoflop: {model.branch.enabled: true, budget.match: iso-flop}  # this label's own
                                   #   matching (default: the suite's budget.match)
     eval:
-      every: 50                   # -> train.eval_every;  batches -> train.eval_batches
-      last_k: 3                   # final loss = mean of the last k evaluations
+      every: 50                   # -> train.eval_every;  batches -> train.eval_batches (the
+                                  #   loss curve's evaluations)
+      final_tokens: 1048576       # -> train.final_eval_tokens: the final evaluation's sample (the
+                                  #   validation split's first windows up to this many tokens)
+      last_k: 1                   # final loss: 1 (default) = the final weights on the final sample;
+                                  #   k > 1 = the mean of the last k evaluations of the curve, all
+                                  #   of which must lie in the last 10% of training (else refused)
       alpha: 0.05                 # family-wise level over the variants
       adjust: bonferroni          # which adjusted p decides a verdict: bonferroni or holm (both
                                   #   are reported; archlab.lab.stats says which test is used)
@@ -45,6 +53,9 @@ The format (only ``budget`` is required; the built-in suites in ``archlab/suites
                                   #   working directory for a built-in suite); default
                                   #   $ARCHLAB_TASK_DIR
       limit: 500                  # evaluate the first N items of each task (default: all)
+      families:                   # downstream verdicts: one per family of tasks (the mean of its
+        reasoning: [piqa, arc_easy]  #   tasks' headline metric), paired, Holm over variants x
+                                  #   families; default: archlab.lab.downstream.DEFAULT_FAMILIES
     eval_data:                    # extra held-out corpora: name -> a prepared data directory
       wiki: data/wiki-v8192       #   (``archlab data prepare``, the suite's tokenizer); every
                                   #   finished run's final checkpoint is evaluated on its val
@@ -97,7 +108,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # labels become directory 
 
 @dataclass(frozen=True)
 class Budget:
-    tokens: int
+    tokens: tuple[int, ...]  # the baseline's training tokens, one per budget, ascending
     match: Match  # the suite's matching; a variant may name its own (``budget.match`` among its
     #               overrides), e.g. one label of a model trained iso-token and one iso-FLOP
     variant_match: dict[str, str] = field(default_factory=dict)  # label -> match, where it differs
@@ -134,12 +145,15 @@ class DataSpec:
 class EvalSpec:
     every: int | None  # -> train.eval_every (None: keep the config's)
     batches: int | None  # -> train.eval_batches
-    last_k: int  # final metric = mean of the last k evaluations
+    last_k: int  # 1: final loss = the final weights' on the final sample; k: mean of the last k evaluations
     alpha: float  # family-wise significance level over the variants
     tasks: tuple[str, ...] = ()  # zero-shot downstream tasks of every finished run (none: no eval)
     task_dir: str | None = None  # absolute; None = $ARCHLAB_TASK_DIR (archlab.eval.tasks.find_task)
     limit: int | None = None  # items per task (None = all)
     adjust: str = "bonferroni"  # which adjusted p decides (ADJUSTMENTS)
+    final_tokens: int | None = None  # -> train.final_eval_tokens (None: keep the config's)
+    families: dict[str, tuple[str, ...]] = field(default_factory=dict)  # downstream verdict families
+    #                                                                   (empty: the default grouping)
 
 
 Measure = Literal["auto", "always", "never"]
@@ -191,12 +205,16 @@ class Suite:
             "name": self.name, "description": self.description, "origin": self.origin,
             "preset": self.preset, "base": self.base,
             "data": None if self.data is None else vars(self.data),
-            # variant_match only when some label has its own, so stored suites stay as they were
-            "budget": {k: v for k, v in vars(self.budget).items() if k != "variant_match" or v},
+            # variant_match only when some label has its own, and one budget as a number, so stored
+            # suites stay as they were
+            "budget": {**{k: v for k, v in vars(self.budget).items() if k != "variant_match" or v},
+                       "tokens": (self.budget.tokens[0] if len(self.budget.tokens) == 1
+                                  else list(self.budget.tokens))},
             "seeds": {"baseline": list(self.seeds.baseline), "variants": list(self.seeds.variants),
                       "data": "init" if self.seeds.data is None else self.seeds.data},
             "baseline": self.baseline, "variants": self.variants,
-            "eval": dict(vars(self.eval), tasks=list(self.eval.tasks)),
+            "eval": dict(vars(self.eval), tasks=list(self.eval.tasks),
+                         families={k: list(v) for k, v in self.eval.families.items()}),
             "costs": dict(vars(self.costs), batches=list(self.costs.batches)),
             "estimate": {"tokens_per_s": self.tokens_per_s},
             "eval_data": dict(self.eval_data),
@@ -255,7 +273,7 @@ class _DataSection:
 
 @dataclass
 class _BudgetSection:
-    tokens: int | None = None  # required
+    tokens: Any = None  # required: a count, an SI-suffixed string (6.5M), or a list of them
     match: str = "iso-token"  # a str, not a Literal: the message names the allowed values plainly
 
 
@@ -270,12 +288,14 @@ class _SeedsSection:
 class _EvalSection:
     every: int | None = None
     batches: int | None = None
-    last_k: int = 3
+    final_tokens: int | None = None
+    last_k: int = 1
     alpha: float = 0.05
     tasks: Any = None  # a list of names or one "a,b" string: two shapes, checked by _task_list
     task_dir: str | None = None
     limit: int | None = None
     adjust: str = "bonferroni"  # a str, not a Literal: the message names the allowed values plainly
+    families: Any = None  # name -> list of tasks; checked by _families
 
 
 @dataclass
@@ -415,8 +435,72 @@ def _variant_matches(r: SuiteReporter, variants: dict[str, dict[str, Any]]) -> d
     return matches
 
 
+_SI = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGB]?)\s*$")
+
+
+def _token_count(r: SuiteReporter, key: str, raw: Any) -> int:
+    """A token budget: an integer, or a number with an SI suffix (``6.5M``, ``57M``, ``1.2B``)."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        r.fail(key, f"expected a number of tokens (e.g. 6553600 or 6.5M), got {raw!r}")
+    if isinstance(raw, str):
+        m = _COUNT.match(raw)
+        if m is None:
+            r.fail(key, f"expected a number of tokens with an optional k/M/G suffix (e.g. 6.5M), got {raw!r}")
+        value = float(m.group(1)) * _SI[m.group(2)]
+    else:
+        value = float(raw)
+    if not value >= 1:
+        r.fail(key, f"must be at least 1 token, got {raw!r}")
+    return int(round(value))
+
+
+def _budgets(r: SuiteReporter, raw: Any) -> tuple[int, ...]:
+    """``budget.tokens``: one budget, or a list of distinct budgets (sorted ascending)."""
+    if raw is None:
+        r.fail("budget.tokens", "is required")
+    items = raw if isinstance(raw, list) else [raw]
+    if not items:
+        r.fail("budget.tokens", "is an empty list; give at least one token budget")
+    counts = [_token_count(r, "budget.tokens", x) for x in items]
+    if len(set(counts)) != len(counts):
+        r.fail("budget.tokens", f"has repeated budgets: {raw!r}")
+    return tuple(sorted(counts))
+
+
+def _families(r: SuiteReporter, raw: Any, tasks: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """``eval.families``: name -> the suite's tasks it averages; every task in exactly one family."""
+    if raw is None:
+        return {}
+    if not tasks:
+        r.fail("eval.families", "applies to eval.tasks; name the tasks to evaluate")
+    if not isinstance(raw, dict) or not raw:
+        r.fail("eval.families", f"expected a mapping of family names to lists of tasks, got {raw!r}")
+    out: dict[str, tuple[str, ...]] = {}
+    for name, members in raw.items():
+        key = f"eval.families.{name}"
+        if not isinstance(name, str) or not _NAME.match(name):
+            r.fail(key, "a family name must be letters, digits and _ . + -")
+        if isinstance(members, str):
+            members = [members]
+        if not isinstance(members, list) or not members or not all(isinstance(t, str) for t in members):
+            r.fail(key, f"expected a non-empty list of task names, got {members!r}")
+        for t in members:
+            if t not in tasks:
+                r.fail(key, f"{t!r} is not one of eval.tasks ({', '.join(tasks)})")
+        out[name] = tuple(members)
+    listed = [t for m in out.values() for t in m]
+    twice = sorted({t for t in listed if listed.count(t) > 1})
+    if twice:
+        r.fail("eval.families", f"task {twice[0]!r} is in more than one family")
+    missing = [t for t in tasks if t not in listed]
+    if missing:
+        r.fail("eval.families", f"task {missing[0]!r} of eval.tasks is in no family")
+    return out
+
+
 def _eval_spec(r: SuiteReporter, e: _EvalSection, base_dir: Path | None) -> EvalSpec:
-    for key in ("every", "batches", "last_k", "limit"):
+    for key in ("every", "batches", "final_tokens", "last_k", "limit"):
         _positive(r, f"eval.{key}", getattr(e, key))
     if not 0 < e.alpha < 1:
         r.fail("eval.alpha", f"must be in (0, 1), got {e.alpha}")
@@ -432,7 +516,8 @@ def _eval_spec(r: SuiteReporter, e: _EvalSection, base_dir: Path | None) -> Eval
     if e.adjust not in ADJUSTMENTS:
         r.fail("eval.adjust", f"must be one of {', '.join(ADJUSTMENTS)}, got {e.adjust!r}")
     return EvalSpec(every=e.every, batches=e.batches, last_k=e.last_k, alpha=e.alpha, tasks=tasks,
-                    task_dir=task_dir, limit=e.limit, adjust=e.adjust)
+                    task_dir=task_dir, limit=e.limit, adjust=e.adjust, final_tokens=e.final_tokens,
+                    families=_families(r, e.families, tasks))
 
 
 def _eval_data(r: SuiteReporter, raw: Any, base_dir: Path | None) -> dict[str, str]:
@@ -480,9 +565,7 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
         r.fail("budget", "is required (tokens, and match: iso-token or iso-flop)")
     if f.budget.match not in _MATCHES:
         r.fail("budget.match", f"must be one of {', '.join(_MATCHES)}, got {f.budget.match!r}")
-    if f.budget.tokens is None:
-        r.fail("budget.tokens", "is required")
-    _positive(r, "budget.tokens", f.budget.tokens)
+    budgets = _budgets(r, f.budget.tokens)
 
     s = f.seeds
     if isinstance(s.variants, str) and s.variants != "baseline":
@@ -513,7 +596,7 @@ def parse_suite(data: Any, *, origin: str, default_name: str, base_dir: Path | N
     return Suite(
         name=name, description=f.description, origin=origin, preset=f.preset, base=base,
         data=_data_spec(r, f.data) if "data" in data else None,
-        budget=Budget(tokens=f.budget.tokens, match=f.budget.match,  # type: ignore[arg-type]
+        budget=Budget(tokens=budgets, match=f.budget.match,  # type: ignore[arg-type]
                       variant_match=_variant_matches(r, variants)),
         seeds=seeds, baseline=f.baseline, variants=variants,
         eval=_eval_spec(r, f.eval, base_dir),

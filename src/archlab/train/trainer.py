@@ -35,8 +35,8 @@ from archlab.train.progress import TrainProgress
 
 @dataclass
 class TrainResult:
-    final_val_loss: float
-    final_val_bpb: float
+    final_val_loss: float  # the final weights on the final sample (``score_final``); a run stopped
+    final_val_bpb: float  # short: its last evaluation on the curve's sample
     val_curve: list[dict[str, Any]] = field(default_factory=list)
     train_curve: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0
@@ -46,18 +46,20 @@ class TrainResult:
     device: str = ""
     mfu: float | None = None
     params: int = 0
+    final_val_tokens: int | None = None  # tokens of the final sample (None: stopped short)
+    final_val_se: float | None = None  # the final loss's sampling standard error over that sample
 
 
 # ---- schedule ----------------------------------------------------------------------------------
 def lr_at(step: int, cfg) -> float:
     """Learning rate at ``step`` (0-based): linear warmup, then cosine / warmup-stable-decay."""
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
+    peak, floor, warmup = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup
+    if step < warmup:
+        return peak * (step + 1) / warmup
     if cfg.schedule == "constant":
         return peak
     if cfg.schedule == "cosine":
-        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        frac = (step - warmup) / max(1, cfg.steps - warmup)
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
     decay_start = cfg.steps - int(cfg.decay_frac * cfg.steps)  # wsd
     if step < decay_start:
@@ -186,6 +188,14 @@ class Run:
             _to_stderr(clipped_note(score, self.data.path) + "; lower train.eval_batches to silence this")
         self.last_eval = score
         return score.loss, score.bpb
+
+    @torch.no_grad()
+    def evaluate_final(self):
+        """The final evaluation (``archlab.eval.corpus.score_final``): the run's final loss."""
+        from archlab.eval.corpus import score_final
+
+        return score_final(self.model, self.data, self.cfg.train, device=self.device,
+                           autocast=lambda: self.autocast, ranks=self.dist)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -338,11 +348,19 @@ class MetricsLog:
 
 def read_curves(out: Path) -> tuple[list[dict], list[dict]]:
     """The train and val records of a run's metrics.jsonl (a torn last line left out)."""
-    train, val = [], []
+    curves: dict[str, list[dict]] = {"train": [], "val": []}
     records, _ = read_metrics(Path(out) / "metrics.jsonl")
     for rec, _line in records:
-        (val if rec["kind"] == "val" else train).append(rec)
-    return train, val
+        if rec["kind"] in curves:
+            curves[rec["kind"]].append(rec)
+    return curves["train"], curves["val"]
+
+
+def read_final(out: Path, step: int) -> dict[str, Any] | None:
+    """The ``final`` record of a run's metrics.jsonl written at ``step``, or None."""
+    records, _ = read_metrics(Path(out) / "metrics.jsonl")
+    found = [rec for rec, _line in records if rec["kind"] == "final" and rec["step"] == step]
+    return found[-1] if found else None
 
 
 def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=None,
@@ -454,16 +472,19 @@ def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, sh
             if run.step % tc.ckpt_every == 0 or run.step == tc.steps:
                 run.save(run.step)
         settle()
+        final = _final_evaluation(run, out, log) if run.step == tc.steps else None
     finally:
         bar.close()
         log.close()
         run.graphed = None  # free a CUDA graph's memory pool now, not at some later garbage collection
+    wall = time.perf_counter() - t_start
     if run.dist is not None:
         run.dist.barrier()  # rank 0's metrics are complete before every rank reads them
-    wall = time.perf_counter() - t_start
     train_curve, val_curve = read_curves(out)
     tokens_per_s = steps_done * tc.tokens_per_step / wall if wall > 0 and steps_done else 0.0
-    if val_curve and val_curve[-1]["step"] == run.step:
+    if final is not None:
+        final_loss, final_bpb = final["loss"], final["bpb"]
+    elif val_curve and val_curve[-1]["step"] == run.step:
         final_loss, final_bpb = val_curve[-1]["loss"], val_curve[-1]["bpb"]
     else:
         final_loss, final_bpb = run.evaluate()
@@ -471,4 +492,22 @@ def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, sh
         final_val_loss=final_loss, final_val_bpb=final_bpb, val_curve=val_curve, train_curve=train_curve,
         tokens=run.step * tc.tokens_per_step, steps=run.step, tokens_per_s=tokens_per_s, wall_s=wall,
         device=device_name(run.device),
-        mfu=(tokens_per_s * flops_tok / peak) if peak and tokens_per_s else None, params=params)
+        mfu=(tokens_per_s * flops_tok / peak) if peak and tokens_per_s else None, params=params,
+        final_val_tokens=None if final is None else final["val_tokens"],
+        final_val_se=None if final is None else final["se"])
+
+
+def _final_evaluation(run: Run, out: Path, log: "MetricsLog | _NoLog") -> dict[str, Any]:
+    """The finished run's final evaluation: its ``final`` record in metrics.jsonl, computed and
+    written once (a finished run resumed again reads it back instead of evaluating again; under
+    torchrun every rank evaluates, since the evaluation is collective)."""
+    step = run.cfg.train.steps
+    if run.dist is None:
+        found = read_final(out, step)
+        if found is not None:
+            return found
+    score = run.evaluate_final()
+    rec = {"kind": "final", "step": step, "tokens": step * run.cfg.train.tokens_per_step, "loss": score.loss,
+           "bpb": score.bpb, "val_tokens": score.tokens, "batches": score.batches, "se": score.se}
+    log.write(rec)
+    return rec

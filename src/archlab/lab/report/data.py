@@ -91,6 +91,9 @@ class LabelSummary:
 
 @dataclass(frozen=True)
 class ReportData:
+    """One budget of a suite (a suite with several token budgets gives one ``ReportData`` per
+    budget, ``collect_budgets``); ``plan["runs"]`` holds that budget's runs only."""
+
     plan: dict[str, Any]
     summaries: list[LabelSummary]
     floor: float | None
@@ -101,6 +104,9 @@ class ReportData:
     adjust: str = "bonferroni"  # which adjusted p decides (eval.adjust)
     seed_changes: list[dict[str, Any]] = field(default_factory=list)  # stoprule: seeds changed after results
     heldout: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # label -> corpus -> losses
+    budget: int | None = None  # this report's token budget (the suite's budget.tokens, one of them)
+    budgets: tuple[int, ...] = ()  # every budget of the suite
+    downstream_verdicts: Any = None  # archlab.lab.report.downstream.DownstreamVerdicts (None: no tasks)
 
     @property
     def suite(self) -> dict[str, Any]:
@@ -121,12 +127,47 @@ class ReportData:
     def baseline(self) -> LabelSummary:
         return self.summaries[0]
 
+    @property
+    def multi_budget(self) -> bool:
+        return len(self.budgets) > 1
 
-def collect(store: ResultStore) -> ReportData:
-    """Gather the suite's planned runs, their rows and the statistics."""
+    @property
+    def name(self) -> str:
+        """The suite's name, with this budget when the suite has several (``trend`` points)."""
+        from archlab.lab.fmt import si
+
+        return self.suite["name"] + (f" @{si(self.budget)} tokens" if self.multi_budget else "")
+
+
+def budgets_of(plan: dict[str, Any]) -> tuple[int, ...]:
+    """The token budgets of a stored plan, ascending (a plan stored before multi-budget suites:
+    its one ``budget.tokens``)."""
+    tokens = plan["suite"]["budget"]["tokens"]
+    default = tokens if isinstance(tokens, int) else None
+    found = sorted({p.get("budget") or default for p in plan["runs"]} - {None})
+    return tuple(found) or (tuple(tokens) if isinstance(tokens, list) else (int(tokens),))
+
+
+def collect_budgets(store: ResultStore) -> list[ReportData]:
+    """One ``ReportData`` per token budget of the suite, shortest first."""
     plan = store.get_meta("plan")
     if plan is None:
         raise ArchlabError(f"{store.path} holds no suite plan (run archlab compare first)")
+    return [collect(store, budget=b) for b in budgets_of(plan)]
+
+
+def collect(store: ResultStore, budget: int | None = None) -> ReportData:
+    """Gather the suite's planned runs, their rows and the statistics, at ``budget`` (one of the
+    suite's token budgets; default: the longest)."""
+    plan = store.get_meta("plan")
+    if plan is None:
+        raise ArchlabError(f"{store.path} holds no suite plan (run archlab compare first)")
+    budgets = budgets_of(plan)
+    budget = budgets[-1] if budget is None else budget
+    if budget not in budgets:
+        raise ArchlabError(f"{store.path}: the suite has no budget of {budget} tokens (it has "
+                           f"{', '.join(map(str, budgets))})")
+    plan = {**plan, "runs": [p for p in plan["runs"] if (p.get("budget") or budgets[0]) == budget]}
     by_id = {r.run_id: r for r in store.runs()}
     live = store.live_claims()
     planned = plan["runs"]
@@ -196,6 +237,11 @@ def collect(store: ResultStore) -> ReportData:
         row = by_id.get(h.run_id)
         if row is not None and row.status == "finished" and h.corpus in (suite.get("eval_data") or {}):
             heldout.setdefault(row.label, {}).setdefault(h.corpus, []).append(h.loss)
-    return ReportData(plan=plan, summaries=summaries, floor=noise_floor(base.losses), n_tests=n_tests,
+    data = ReportData(plan=plan, summaries=summaries, floor=noise_floor(base.losses), n_tests=n_tests,
                       alpha=alpha, rows=rows, tasks=tasks, adjust=adjust, seed_changes=changes,
-                      heldout=heldout)
+                      heldout=heldout, budget=budget, budgets=budgets)
+    if tasks:
+        from archlab.lab.report.downstream import downstream_verdicts
+
+        data = replace(data, downstream_verdicts=downstream_verdicts(data))
+    return data

@@ -162,3 +162,30 @@ def fig_latency(data: ReportData) -> Figure:
     fig.suptitle(f"quality against decode cost, computed and measured, and measured prefill cost ({where})",
                  fontsize=10)
     return fig
+
+
+def fig_effect_by_length(rows: list[Any]) -> Figure:
+    """Each variant's effect (variant - baseline, final loss) with its 95% CI against the token
+    budget of a multi-budget suite (``archlab.lab.report.trend`` rows), log-scaled tokens."""
+    fig = Figure(figsize=(8, 4.2), layout="constrained")
+    ax = fig.subplots()
+    if not rows:
+        _empty(ax, "no variant shared by every budget")
+        return fig
+    ax.axhline(0.0, color="black", lw=0.8)
+    for i, (r, color) in enumerate(zip(rows, _colors(len(rows) + 1)[1:])):
+        pts = [p for p in r.points if p.effect is not None and p.tokens]
+        if not pts:
+            continue
+        shift = 1.0 + 0.015 * (i - len(rows) / 2)  # side by side at each budget, not on top of each other
+        x = np.array([p.tokens * shift for p in pts], dtype=float)
+        y = np.array([p.effect for p in pts])
+        lo = np.array([p.effect - p.ci[0] if p.ci else 0.0 for p in pts])
+        hi = np.array([p.ci[1] - p.effect if p.ci else 0.0 for p in pts])
+        ax.errorbar(x, y, yerr=[lo, hi], fmt="o-", color=color, capsize=3, lw=1.2, label=f"{r.label} ({r.verdict})")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens of the baseline run (budget)")
+    ax.set_ylabel("Δ final validation loss (negative is better)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig

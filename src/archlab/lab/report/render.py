@@ -27,24 +27,28 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from archlab.lab.report.figures import fig_curves, fig_diffs, fig_latency, fig_tradeoff
-from archlab.lab.fmt import device_text
-from archlab.lab.report.data import LabelSummary, ReportData, collect
-from archlab.lab.report.tables import (compute_hours, compute_table, costs_table, downstream_table, heldout_table,
-                                       latency_ratio, mde_of, paired_design, planned_seeds, results_table,
-                                       task_metric)
-from archlab.lab.report.text import (COMPUTE_NOTE, COSTS_NOTE, DOWNSTREAM_NOTE, HELDOUT_NOTE, METHOD_NOTE,
-                                     compute_fact, devices_fact, latency_fact, latency_note, mde_fact, overview,
-                                     verdict_rule)
+from archlab.lab.report.figures import fig_curves, fig_diffs, fig_effect_by_length, fig_latency, fig_tradeoff
+from archlab.lab.fmt import device_text, si
+from archlab.lab.report.data import LabelSummary, ReportData, collect, collect_budgets
+from archlab.lab.report.tables import (compute_hours, compute_table, costs_table, downstream_table,
+                                       downstream_verdicts_table, heldout_table, latency_ratio, mde_of,
+                                       paired_design, planned_seeds, results_table, task_metric)
+from archlab.lab.report.text import (COMPUTE_NOTE, COSTS_NOTE, DOWNSTREAM_NOTE, DOWNSTREAM_VERDICTS_NOTE, HELDOUT_NOTE,
+                                     METHOD_NOTE, compute_fact, devices_fact, final_fact, latency_fact, latency_note,
+                                     mde_fact, overview, schedule_fact, verdict_rule)
+from archlab.lab.report.trend import markdown as trend_markdown
+from archlab.lab.report.trend import trend, trend_table
+from archlab.errors import ArchlabError
 from archlab.lab.store import DB_NAME, ResultStore
 
 __all__ = [
-    "COMPUTE_NOTE", "COSTS_NOTE", "DOWNSTREAM_NOTE", "FIGURES", "HELDOUT_NOTE", "LATENCY_FIGURE", "METHOD_NOTE",
-    "LabelSummary", "ReportData", "collect", "compute_fact", "compute_hours", "compute_table", "costs_table",
-    "device_text", "devices_fact", "downstream_table", "fig_curves", "fig_diffs", "fig_latency", "fig_tradeoff",
-    "heldout_table", "latency_fact", "latency_note", "latency_ratio", "mde_fact", "mde_of", "overview",
-    "paired_design", "planned_seeds", "print_report", "results_table", "task_metric", "verdict_rule",
-    "write_report",
+    "COMPUTE_NOTE", "COSTS_NOTE", "DOWNSTREAM_NOTE", "DOWNSTREAM_VERDICTS_NOTE", "FIGURES", "HELDOUT_NOTE",
+    "LATENCY_FIGURE", "LENGTH_FIGURE", "METHOD_NOTE", "LabelSummary", "ReportData", "collect", "collect_budgets",
+    "compute_fact", "compute_hours", "compute_table", "costs_table", "device_text", "devices_fact",
+    "downstream_table", "downstream_verdicts_table", "fig_curves", "fig_diffs", "fig_effect_by_length",
+    "fig_latency", "fig_tradeoff", "final_fact", "heldout_table", "latency_fact", "latency_note", "latency_ratio",
+    "mde_fact", "mde_of", "overview", "paired_design", "planned_seeds", "print_report", "results_table",
+    "schedule_fact", "task_metric", "verdict_rule", "write_report",
 ]
 
 FIGURES = (  # (file, caption); the file stem is the figure's short name
@@ -61,6 +65,11 @@ LATENCY_FIGURE = ("tradeoff_measured.png",
                   "Final validation loss (mean and seed standard deviation) against decode cost, computed "
                   "(bytes read per decode step) and measured (ms per decode step at batch 1 on the "
                   "inference engine), and against measured prefill latency.")
+# Added for a suite with several token budgets (the figures above then show the longest budget).
+LENGTH_FIGURE = ("effect_by_length.png",
+                 "Each variant's effect on the final validation loss (variant - baseline, negative is better) "
+                 "with its 95% confidence interval, at every token budget of the suite (each budget's runs "
+                 "trained from scratch with their own schedule); the legend gives the trend's verdict.")
 
 
 
@@ -99,50 +108,89 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_report(out_dir: str | Path) -> tuple[Path, Path]:
-    """Write report.md (+ PNGs) and report.html into the suite directory ``out_dir``."""
-    out = Path(out_dir)
-    with ResultStore(out / DB_NAME, create=False) as store:
-        data = collect(store)
-    title = f"archlab comparison: {data.suite['name']}"
+def _tables(data: ReportData) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The tables of one budget, titled."""
     tables = [("Results", *results_table(data)), ("Costs", *costs_table(data))]
+    if data.downstream_verdicts is not None:
+        tables.append(("Downstream verdicts", *downstream_verdicts_table(data)))
     if data.tasks:
         tables.append(("Downstream", *downstream_table(data)))
     if data.suite.get("eval_data"):
         tables.append(("Held-out corpora", *heldout_table(data)))
     tables.append(("Compute", *compute_table(data)))
+    return tables
+
+
+def _budget_facts(data: ReportData) -> list[str]:
+    """What a budget's section of a multi-budget report states above its tables."""
+    done = sum(len(x.finished) for x in data.summaries)
+    floor = ("-" if data.floor is None else
+             f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)")
+    return [f"Runs: {done} of {sum(x.planned for x in data.summaries)} finished", schedule_fact(data),
+            f"Noise floor: {floor}", final_fact(data), mde_fact(data)] + (
+        data.downstream_verdicts.warnings() if data.downstream_verdicts is not None else [])
+
+
+def write_report(out_dir: str | Path) -> tuple[Path, Path]:
+    """Write report.md (+ PNGs) and report.html into the suite directory ``out_dir``. A suite with
+    several token budgets gets a section per budget and the effects against training length; its
+    figures of curves and costs show the longest budget."""
+    out = Path(out_dir)
+    with ResultStore(out / DB_NAME, create=False) as store:
+        parts = collect_budgets(store)
+    data = parts[-1]
+    title = f"archlab comparison: {data.suite['name']}"
     figures = list(FIGURES) + ([LATENCY_FIGURE] if data.measured else [])
-    makers = (fig_curves, fig_diffs, fig_tradeoff, fig_latency)
+    makers = [fig_curves, fig_diffs, fig_tradeoff] + ([fig_latency] if data.measured else [])
     pngs = {name: _png(fn(data)) for (name, _), fn in zip(figures, makers)}
+    trend_rows = None
+    if len(parts) > 1:
+        try:
+            trend_rows = trend(parts)
+        except ArchlabError:  # no variant label yet (a suite of the baseline alone)
+            trend_rows = []
+        figures.append(LENGTH_FIGURE)
+        pngs[LENGTH_FIGURE[0]] = _png(fig_effect_by_length(trend_rows))
     for name, blob in pngs.items():
         _write_atomic(out / name, blob)
     facts = overview(data)
     desc = data.suite["description"]
-
     notes = {"Costs": [COSTS_NOTE] + ([latency_note(data)] if data.measured else []),
-             "Downstream": [DOWNSTREAM_NOTE], "Held-out corpora": [HELDOUT_NOTE], "Compute": [COMPUTE_NOTE]}
-    md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
-    for name, header, rows in tables:
-        md += [f"## {name}", "", _md_table(header, rows), ""]
-        for note in notes.get(name, []):
-            md += [note, ""]
-    md += [METHOD_NOTE, "", "## Figures", ""]
-    for name, caption in figures:
-        md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
-    md_path = out / "report.md"
-    _write_atomic(md_path, "\n".join(md).encode())
+             "Downstream verdicts": [DOWNSTREAM_VERDICTS_NOTE], "Downstream": [DOWNSTREAM_NOTE],
+             "Held-out corpora": [HELDOUT_NOTE], "Compute": [COMPUTE_NOTE]}
+    # (heading, level, facts, tables) per section: one section per budget of a multi-budget suite
+    sections = ([(None, [], _tables(data))] if len(parts) == 1 else
+                [(f"Budget {si(p.budget)} tokens", _budget_facts(p), _tables(p)) for p in parts])
 
+    md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
     body = [f"<h1>{html.escape(title)}</h1>"] + ([f"<p>{html.escape(desc)}</p>"] if desc else [])
     body.append("<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>")
-    for name, header, rows in tables:
-        body += [f"<h2>{name}</h2>", _html_table(header, rows)]
-        for note in notes.get(name, []):
-            body.append(f"<p>{html.escape(note)}</p>")
+    if trend_rows is not None:
+        md += ["## Effect against training length", "", trend_markdown(trend_rows) if trend_rows else "-", ""]
+        if trend_rows:
+            header, rows = _trend_rows(trend_rows)
+            body += ["<h2>Effect against training length</h2>", _html_table(header, rows)]
+    for heading, budget_facts, tables in sections:
+        level = "##" if heading is None else "###"
+        if heading is not None:
+            md += [f"## {heading}", ""] + [f"- {f}" for f in budget_facts] + [""]
+            body += [f"<h2>{html.escape(heading)}</h2>",
+                     "<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in budget_facts) + "</ul>"]
+        for name, header, rows in tables:
+            md += [f"{level} {name}", "", _md_table(header, rows), ""]
+            body += [f"<h{len(level)}>{name}</h{len(level)}>", _html_table(header, rows)]
+            for note in notes.get(name, []):
+                md += [note, ""]
+                body.append(f"<p>{html.escape(note)}</p>")
+    md += [METHOD_NOTE, "", "## Figures", ""]
     body += [f"<p>{html.escape(METHOD_NOTE)}</p>", "<h2>Figures</h2>"]
     for name, caption in figures:
+        md += [f"![{name[:-4].replace('_', ' ')}]({name})", "", f"*{caption}*", ""]
         b64 = base64.b64encode(pngs[name]).decode()
         body.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{b64}">'
                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    md_path = out / "report.md"
+    _write_atomic(md_path, "\n".join(md).encode())
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
     html_path = out / "report.html"
@@ -150,20 +198,39 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     return md_path, html_path
 
 
+def _trend_rows(rows: list) -> tuple[list[str], list[list[str]]]:
+    """The trend's Markdown table as (header, rows), for the HTML page."""
+    lines = trend_markdown(rows).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
+    return cells[0], cells[2:]
+
+
 def print_report(out_dir: str | Path, console: Console) -> None:
-    """The results table (and the suite facts) on the console."""
+    """The results table (and the suite facts) on the console: one table per budget of a suite
+    with several, then its effects against training length."""
     with ResultStore(Path(out_dir) / DB_NAME, create=False) as store:
-        data = collect(store)
-    for fact in overview(data):
+        parts = collect_budgets(store)
+    for fact in overview(parts[-1]):
         console.print(fact, highlight=False)
+    for data in parts:
+        _print_results(data, console)
+    if len(parts) > 1:
+        try:
+            console.print(trend_table(trend(parts)))
+        except ArchlabError as e:  # no variant yet
+            console.print(f"effect against training length: {e}", highlight=False)
+
+
+def _print_results(data: ReportData, console: Console) -> None:
     full_header, full_rows = results_table(data)
     # The console gets the columns a verdict rests on; bpb, test and raw p are in the files.
     keep = [i for i, h in enumerate(full_header) if h not in ("bpb", "test", "p paired", "p unpaired")]
     header = [full_header[i] for i in keep]
     rows = [[r[i] for i in keep] for r in full_rows]
-    table = Table(title=f"suite {data.suite['name']}: final validation loss against {data.baseline.label}",
+    at = f" at {si(data.budget)} tokens" if data.multi_budget else ""
+    table = Table(title=f"suite {data.suite['name']}{at}: final validation loss against {data.baseline.label}",
                   box=box.SIMPLE_HEAD, pad_edge=False)
-    verdict = header.index("verdict")  # the downstream task columns, if any, follow it
+    verdict = header.index("verdict")  # the downstream verdict and task columns, if any, follow it
     for i, h in enumerate(header):
         # in a narrow terminal the verdict, the intervals and the task names wrap
         table.add_column(h, justify="left" if i in (0, verdict) else "right",

@@ -13,7 +13,7 @@ import statistics
 from archlab.lab.fmt import device_hours, duration, si
 from archlab.lab.latency import fmt_ms
 from archlab.lab.report.data import LabelSummary, ReportData
-from archlab.lab.stats import mde_unpaired
+from archlab.lab.stats import Comparison, mde_unpaired
 from archlab.lab.store import LatencyRow, RunRow
 
 
@@ -113,12 +113,27 @@ def heldout_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+def _test_cell(c: Comparison) -> str:
+    """The deciding test; a paired one with the number of seed pairs it decided on."""
+    return f"paired ({c.n_pairs} pairs)" if c.method == "paired" else c.method.split(" ")[0]
+
+
+def _family_verdict_cell(c: Comparison | None) -> str:
+    """A variant's downstream verdict on one family: the difference in the family's mean score
+    (positive is better) and the verdict."""
+    if c is None:
+        return "-"
+    return f"{c.diff:+.4f} ({c.verdict})"
+
+
 def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
-    """One row per label; the loss columns up to the verdict, then one column per downstream
-    task (mean over seeds, and the variant's difference against the baseline in brackets)."""
+    """One row per label; the loss columns up to the verdict, then one downstream verdict column
+    per task family (``archlab.lab.report.downstream``), then one column per downstream task
+    (mean over seeds, and the variant's difference against the baseline in brackets)."""
+    families = data.downstream_verdicts.families if data.downstream_verdicts is not None else []
     header = ["variant", "seeds", "val loss", "bpb", "Δ loss", "z", "95% CI of Δ", "test",
               "p paired", "p unpaired", "p Bonferroni", "p Holm", "MDE", "verdict"] + [
-                  f"{t} {task_metric(t)}" for t in data.tasks]
+                  f"{f.family} verdict" for f in families] + [f"{t} {task_metric(t)}" for t in data.tasks]
     out = []
     for s in data.summaries:
         c = s.comparison
@@ -126,15 +141,42 @@ def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
         loss = _f(s.mean_loss, ".4f") + (f" ± {s.sd_loss:.4f}" if s.sd_loss is not None else "")
         bpb = _f(statistics.fmean(s.bpbs), ".4f") if s.bpbs else "-"
         tasks = [_task_cell(data, s, t) for t in data.tasks]
+        fams = [("baseline" if s.role == "baseline" else _family_verdict_cell(f.comparisons.get(s.label)))
+                for f in families]
         if c is None:
             out.append([s.label, seeds, loss, bpb, "-", "-", "-", "-", "-", "-", "-", "-",
-                        _f(mde_of(data, s), ".4f"), s.verdict, *tasks])
+                        _f(mde_of(data, s), ".4f"), s.verdict, *fams, *tasks])
             continue
         ci = "-" if c.ci_low is None else f"[{c.ci_low:+.4f}, {c.ci_high:+.4f}]"
-        out.append([s.label, seeds, loss, bpb, f"{c.diff:+.4f}", _f(c.z, "+.2f"), ci, c.method.split(" ")[0],
+        out.append([s.label, seeds, loss, bpb, f"{c.diff:+.4f}", _f(c.z, "+.2f"), ci, _test_cell(c),
                     _p(c.paired.p if c.paired else None) + (f" (n={c.paired.n})" if c.paired else ""),
                     _p(c.unpaired.p if c.unpaired else None), _p(c.p_adjusted), _p(c.p_holm),
-                    _f(c.mde, ".4f"), c.verdict, *tasks])
+                    _f(c.mde, ".4f"), c.verdict, *fams, *tasks])
+    return header, out
+
+
+def downstream_verdicts_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """Per variant and task family: Δ of the family's mean score (variant - baseline, positive is
+    better) with its 95% CI, the deciding test, Holm's p over variants x families and the verdict.
+    The header names each family's tasks, chance level and the baseline's mean ± its error."""
+    dv = data.downstream_verdicts
+    header = ["variant"]
+    for f in dv.families:
+        base = ("-" if f.baseline_mean is None
+                else f"{f.baseline_mean:.4f} ± {_f(f.baseline_se, '.4f')}")
+        header.append(f"{f.family} ({', '.join(f.tasks)}; chance {_f(f.chance, '.3f')}; baseline {base})")
+    out = []
+    for s in data.summaries[1:]:
+        row = [s.label]
+        for f in dv.families:
+            c = f.comparisons.get(s.label)
+            if c is None:
+                row.append("-")
+                continue
+            ci = "" if c.ci_low is None else f" [{c.ci_low:+.4f}, {c.ci_high:+.4f}]"
+            test = "-" if c.p is None else f"{_test_cell(c)}, p Holm {_p(c.p_holm)}"
+            row.append(f"{c.diff:+.4f}{ci}; {test}; {c.verdict}")
+        out.append(row)
     return header, out
 
 

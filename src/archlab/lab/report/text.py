@@ -6,6 +6,7 @@ columns were obtained and should be read).
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 
 from archlab.lab.fmt import device_text, duration, latency_device_text, plural
@@ -13,7 +14,7 @@ from archlab.lab.report.data import ReportData
 from archlab.lab.report.tables import compute_hours, paired_design
 from archlab.lab.stats import POWER, mde_unpaired
 from archlab.lab.stoprule import INVALID
-from archlab.lab.store import RunRow
+from archlab.lab.store import FINAL_WEIGHTS, RunRow
 
 
 def latency_fact(data: ReportData) -> str:
@@ -73,10 +74,14 @@ def overview(data: ReportData) -> list[str]:
     floor = (f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)"
              if data.floor is not None else "not available (needs at least 2 finished baseline seeds)")
     seeds = s["seeds"]
+    budget = (f"Budget: {data.budget:,} tokens" if data.budget is not None else
+              f"Budget: {s['budget']['tokens']:,} tokens")
+    if data.multi_budget:
+        budget += f" (this section; the suite's budgets: {', '.join(f'{b:,}' for b in data.budgets)})"
     return [
         f"Suite: {s['name']} ({s['origin']}), preset {s['preset'] or 'none'}"
         + (f", overrides: {' '.join(data.plan['overrides'])}" if data.plan["overrides"] else ""),
-        f"Budget: {s['budget']['tokens']:,} tokens, {s['budget']['match']} matching"
+        budget + f", {s['budget']['match']} matching"
         + "".join(f"; {label}: {m}" for label, m in sorted(s["budget"].get("variant_match", {}).items())),
         f"Seeds: baseline init {seeds['baseline']}, variants init {seeds['variants']}, data order "
         + ("= init seed" if seeds["data"] == "init" else f"seed {seeds['data']} for every run")
@@ -90,7 +95,8 @@ def overview(data: ReportData) -> list[str]:
         f"Noise floor: {floor}" + ("" if seeds["data"] == "init" or data.floor is None else
                                    "; init seeds only (one data order for every run: data-order noise "
                                    "is not in it, seeds.data: init puts it there)"),
-        f"Final loss = mean of the last {plural(s['eval']['last_k'], 'evaluation')}; {verdict_rule(data)}",
+        f"{final_fact(data)}; {verdict_rule(data)}",
+        schedule_fact(data),
         mde_fact(data),
         compute_fact(data),
     ] + [f"Stop rule broken: {c['what']} after {plural(c['finished'], 'run')} had finished ({c['at']}): "
@@ -98,16 +104,63 @@ def overview(data: ReportData) -> list[str]:
         f"Code revision: {', '.join(revisions) or '-'}",
         devices_fact(data.rows),
         latency_fact(data),
-    ] + ([_downstream_fact(data)] if data.tasks else [])
+    ] + ([_downstream_fact(data)] if data.tasks else []) + (
+        data.downstream_verdicts.warnings() if data.downstream_verdicts is not None else [])
 
 
 def verdict_rule(data: ReportData) -> str:
     """The rule a verdict follows, in one sentence."""
     other = "Holm" if data.adjust == "bonferroni" else "Bonferroni"
     name = "Bonferroni" if data.adjust == "bonferroni" else "Holm"
-    return (f"verdict: the paired t-test when a variant's finished seeds pair completely with the "
-            f"baseline's (at least 2 pairs), else Welch's; {name}-adjusted p over "
+    return (f"verdict: the paired t-test on the seed pairs a variant shares with the baseline (at "
+            f"least 2; the test column says how many), else Welch's; {name}-adjusted p over "
             f"{plural(data.n_tests, 'variant')} < alpha = {data.alpha} decides ({other} shown too)")
+
+
+def schedule_fact(data: ReportData) -> str:
+    """The learning-rate schedule the runs used, as the plan recorded it."""
+    schedules = [p.get("schedule") for p in data.plan["runs"]]
+    base = next((p.get("schedule") for p in data.plan["runs"] if p["label"] == data.baseline.label), None)
+    if base is None:
+        return "Schedule: not recorded (a plan stored before schedules were; see each run's config)"
+    same = all(x == base for x in schedules)
+    return (f"Schedule: {base}" + ("" if same else " (the baseline's; iso-FLOP runs of other lengths "
+                                   "have the same shape over their own steps)")
+            + "; warm-up and decay are fractions of each run's steps unless a fixed warm-up is named")
+
+
+def final_fact(data: ReportData) -> str:
+    """How the final losses were obtained, the final sample's size and its sampling error."""
+    rows = [r for x in data.summaries for r in x.finished]
+    rules = sorted({r.final_rule or "" for r in rows})
+    last_k = data.suite["eval"].get("last_k", 3)
+    if not rows:
+        return ("Final loss = the final weights on the final evaluation sample" if last_k == 1 else
+                f"Final loss = the mean of the last {last_k} evaluations, all in the last 10% of training")
+    if rules == [""]:
+        return (f"Final loss = mean of the last {plural(last_k, 'evaluation')} (runs recorded before archlab "
+                "evaluated the final weights alone: these may average evaluations from well before the end of "
+                "training)")
+    parts = []
+    if FINAL_WEIGHTS in rules:
+        sizes = sorted({r.final_val_tokens for r in rows if r.final_val_tokens})
+        ses = [r.final_val_se for r in rows if r.final_val_se is not None]
+        size = "/".join(f"{n:,}" for n in sizes) or "?"
+        text = (f"Final loss = the final weights on a fixed validation sample of {size} tokens (the "
+                "validation split's first windows, the same for every run)")
+        if ses:
+            se = statistics.median(ses)
+            text += f"; its sampling standard error {se:.4f} (median over runs)"
+            if data.floor:
+                text += (f", {se / data.floor:.2f} noise floors (in a paired difference the shared sample "
+                         "cancels further)")
+        parts.append(text)
+    smoothed = [x for x in rules if x and x != FINAL_WEIGHTS]
+    if smoothed:
+        parts.append("final loss = " + "; ".join(smoothed) + " (within the last 10% of training)")
+    if "" in rules:
+        parts.append("some runs were recorded under the old rule (mean of the last evaluations)")
+    return "; ".join(parts)
 
 
 def mde_fact(data: ReportData) -> str:
@@ -159,9 +212,9 @@ METHOD_NOTE = (
     "t-test on the per-pair differences (n = pairs); p unpaired: Welch's t-test when both sides have "
     "at least 2 seeds, with a single seed on one side the pooled two-sample t-test (the "
     "prediction-interval test of one observation against a sample, assuming equal seed noise). "
-    "Test: the one that decides, paired when the variant's finished seeds and the baseline's pair "
-    "completely (at least 2 pairs), else unpaired; the 95% CI is the deciding test's and is not "
-    "adjusted. p Bonferroni = min(1, p × number of variants); p Holm: Holm's step-down adjustment "
+    "Test: the one that decides: paired on every seed pair the variant shares with the baseline when "
+    "there are at least 2 (a seed one side lacks is left out of it, but the baseline's stays in the "
+    "noise floor), else unpaired; the 95% CI is the deciding test's and is not adjusted. p Bonferroni = min(1, p × number of variants); p Holm: Holm's step-down adjustment "
     "(a variant without a p yet counts as the largest). The suite's eval.adjust names the one that "
     "decides: a variant is better or worse only if it is below alpha. MDE: the smallest true "
     "difference the deciding test detects with power 0.8 at two-sided alpha / number of variants, "
@@ -183,11 +236,21 @@ COSTS_NOTE = (
 
 DOWNSTREAM_NOTE = (
     "Zero-shot accuracy of each run's final checkpoint: acc_norm (the choice with the highest "
-    "log-likelihood per byte) for multiple-choice tasks, acc (last word greedily right) for LAMBADA. "
-    "Mean over seeds ± its standard error over seeds (sample standard deviation / √seeds); † a "
-    "single seed: the binomial standard error over the task's items instead. The results table "
-    "gives the variant's difference against the baseline's mean in brackets. No significance test "
-    "is made on these; the verdict rests on the validation loss."
+    "log-likelihood per byte) for multiple-choice tasks, acc (the target greedily right, exact match) "
+    "for LAMBADA-style tasks. Mean over seeds ± its standard error over seeds (sample standard "
+    "deviation / √seeds); † a single seed: the binomial standard error over the task's items "
+    "instead. The results table gives the variant's difference against the baseline's mean in "
+    "brackets."
+)
+
+
+DOWNSTREAM_VERDICTS_NOTE = (
+    "Downstream verdicts, one per task family: a run's family score is the mean of its tasks' "
+    "headline metric; Δ = mean(variant) - mean(baseline) (positive is better), tested like the loss "
+    "(paired on shared seed pairs, at least 2, else Welch's), Holm's step-down over every variant x "
+    "family test decides at alpha. Chance: the metric's value for a guessing model (mean over items "
+    "of 1 / choices; 0 for exact match). When the baseline's family mean is within twice its "
+    "standard error (seeds and items combined) of chance, no verdict is drawn on that family."
 )
 
 

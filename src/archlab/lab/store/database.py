@@ -43,16 +43,19 @@ from archlab.lab.store.claims import (LATENCY_KEY, Claim, ClaimResult, display_s
 from archlab.lab.store.rows import (DownstreamRow, HeldoutRow, LatencyRow, RunRow, RunStart, Status,
                                     TrainOutcome)
 from archlab.lab.store.schema import (_MIGRATIONS, _SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
-                                      COST_KEYS, SCHEMA_VERSION)
+                                      _SCHEMA_V6, COST_KEYS, SCHEMA_VERSION)
 
 __all__ = [
-    "COST_KEYS", "DB_NAME", "LATENCY_KEY", "SCHEMA_VERSION", "Claim", "ClaimResult", "DownstreamRow",
+    "COST_KEYS", "DB_NAME", "FINAL_WEIGHTS", "LATENCY_KEY", "SCHEMA_VERSION", "Claim", "ClaimResult", "DownstreamRow",
     "Heartbeat", "HeldoutRow", "LatencyRow", "ResultStore", "RunRow", "RunStart", "Status", "TrainOutcome",
-    "_MIGRATIONS", "_SCHEMA_V1", "_SCHEMA_V2", "_SCHEMA_V3", "_SCHEMA_V4", "_SCHEMA_V5", "display_status",
+    "_MIGRATIONS", "_SCHEMA_V1", "_SCHEMA_V2", "_SCHEMA_V3", "_SCHEMA_V4", "_SCHEMA_V5", "_SCHEMA_V6",
+    "display_status",
     "downstream_key", "is_run_key",
 ]
 
 DB_NAME = "results.sqlite"
+#: ``runs.final_rule`` of a final loss that is the final weights' on the final evaluation sample
+FINAL_WEIGHTS = "final weights"
 LOCK_TIMEOUT_S = 60.0  # how long an open or a write waits for another process's lock
 
 
@@ -259,16 +262,22 @@ class ResultStore:
                    if is_run_key(k) and c.owner.host == me.host and c.owner.boot == me.boot)
 
     def finish_run(self, run_id: str, result: TrainOutcome, *, final_val_loss: float,
-                   final_val_bpb: float, runs_at_once: int | None = None) -> None:
+                   final_val_bpb: float, runs_at_once: int | None = None,
+                   final_rule: str = FINAL_WEIGHTS) -> None:
         """Store a completed run's measurements and mark it finished (one transaction, which also
-        drops the run's claim)."""
+        drops the run's claim). ``final_rule`` says how the final loss was obtained: the final
+        weights on the final sample (the trainer's, whose sample size and standard error are
+        stored with it), or ``mean of last k ...``."""
+        tokens = getattr(result, "final_val_tokens", None)
+        se = getattr(result, "final_val_se", None)
         self._end(run_id, "finished", dict(
             tokens=int(result.tokens), steps=int(result.steps), final_val_loss=float(final_val_loss),
             final_val_bpb=float(final_val_bpb), val_curve=_dumps(list(result.val_curve)),
             train_curve=_dumps(list(result.train_curve)), params_model=int(result.params),
             tokens_per_s=float(result.tokens_per_s),
             mfu=None if result.mfu is None else float(result.mfu), wall_s=float(result.wall_s),
-            device=str(result.device), runs_at_once=runs_at_once))
+            device=str(result.device), runs_at_once=runs_at_once, final_rule=final_rule,
+            final_val_tokens=None if tokens is None else int(tokens), final_val_se=_opt(se)))
 
     def mark_diverged(self, run_id: str, message: str) -> None:
         """A run whose loss became non-finite: a result too (the variant is unstable here)."""
@@ -297,9 +306,11 @@ class ResultStore:
             for task, r in results.items():
                 c.execute(
                     "INSERT INTO downstream (run_id, task, item_limit, n, acc, acc_stderr, acc_norm, "
-                    "acc_norm_stderr, ppl, source, evaluated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "acc_norm_stderr, ppl, source, evaluated_at, chance) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, task, limit or 0, int(r["n"]), float(r["acc"]), float(r["acc_stderr"]),
-                     opt(r, "acc_norm"), opt(r, "acc_norm_stderr"), opt(r, "ppl"), (sources or {}).get(task), now))
+                     opt(r, "acc_norm"), opt(r, "acc_norm_stderr"), opt(r, "ppl"), (sources or {}).get(task), now,
+                     opt(r, "chance")))
 
     def downstream(self, run_id: str | None = None) -> list[DownstreamRow]:
         """Downstream results, of one run or of every run, in the order they were stored."""
@@ -309,7 +320,7 @@ class ResultStore:
         return [DownstreamRow(
             run_id=r["run_id"], task=r["task"], limit=r["item_limit"] or None, n=r["n"], acc=r["acc"],
             acc_stderr=r["acc_stderr"], acc_norm=r["acc_norm"], acc_norm_stderr=r["acc_norm_stderr"],
-            ppl=r["ppl"], source=r["source"], evaluated_at=r["evaluated_at"]) for r in rows]
+            ppl=r["ppl"], source=r["source"], evaluated_at=r["evaluated_at"], chance=r["chance"]) for r in rows]
 
     # ---- measured latency ---------------------------------------------------------------------
     def add_latency(self, rows: list["LatencyRow"]) -> None:
@@ -375,6 +386,7 @@ def _row(r: sqlite3.Row) -> RunRow:
         train_curve=json.loads(r["train_curve"]) if r["train_curve"] else [],
         params_model=r["params_model"], tokens_per_s=r["tokens_per_s"], mfu=r["mfu"],
         wall_s=r["wall_s"], device=r["device"], error=r["error"], runs_at_once=r["runs_at_once"],
+        final_rule=r["final_rule"], final_val_tokens=r["final_val_tokens"], final_val_se=r["final_val_se"],
     )
 
 

@@ -81,6 +81,12 @@ class RunRow:
     device: str | None
     error: str | None
     runs_at_once: int | None = None  # most runs this host trained at once meanwhile (None: not known)
+    # How final_val_loss was obtained (None: a row from before schema v6, whose final loss was the
+    # mean of the suite's last eval.last_k evaluations), the final sample's tokens and the loss's
+    # sampling standard error over it
+    final_rule: str | None = None
+    final_val_tokens: int | None = None
+    final_val_se: float | None = None
 
 
 
@@ -99,6 +105,7 @@ class DownstreamRow:
     ppl: float | None
     source: str | None
     evaluated_at: float
+    chance: float | None = None  # the headline metric's chance level (None: stored before schema v6)
 
     @property
     def metric(self) -> str:

@@ -18,12 +18,14 @@ Schema versions: v1, the ``runs`` and ``meta`` tables; v2 (downstream evaluation
 (how many runs this host was training at once while the run trained, sampled: the context its
 tokens/s was measured in); v4 (measured cost) adds the ``latency`` table and its triggers; v5
 (extra evaluation corpora) adds the ``heldout`` table (a finished run's loss on each of the suite's
-``eval_data`` corpora) and its triggers.
+``eval_data`` corpora) and its triggers; v6 (final losses of the final weights) adds to ``runs`` how
+the final loss was obtained (``final_rule``) and the final evaluation's sample size and sampling
+standard error, and to ``downstream`` each task's chance level.
 """
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # The cost columns of METHODOLOGY.md, as returned by ``archlab.model.accounting.costs``.
 COST_KEYS: tuple[str, ...] = (
@@ -173,6 +175,15 @@ _SCHEMA_V5: tuple[str, ...] = (
     *_finished_results_only("heldout", "held-out"),
 )
 
+_SCHEMA_V6: tuple[str, ...] = (
+    # NULL in rows from before v6: their final loss was the mean of the last eval.last_k evaluations
+    "ALTER TABLE runs ADD COLUMN final_rule TEXT",  # 'final weights', or 'mean of last k (steps a-b)'
+    "ALTER TABLE runs ADD COLUMN final_val_tokens INTEGER",  # tokens of the final evaluation's sample
+    "ALTER TABLE runs ADD COLUMN final_val_se REAL",  # its sampling standard error of the final loss
+    "ALTER TABLE downstream ADD COLUMN chance REAL",  # the task's chance level of the headline metric
+)
+
 # _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5)
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
+                                            _SCHEMA_V6)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
