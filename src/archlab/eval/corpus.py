@@ -58,9 +58,10 @@ class CorpusScore:
 def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_size: int, seq_len: int, *,
                      device: torch.device | str = "cpu",
                      autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
-                     ranks: Any = None) -> CorpusScore:
+                     ranks: Any = None, exit_after: int | None = None) -> CorpusScore:
     """Loss and bits per byte of ``model`` on the first validation windows of ``data`` (a
-    ``TokenData``). The model is left in the train/eval mode it came in.
+    ``TokenData``). The model is left in the train/eval mode it came in. ``exit_after``: the
+    model reads out after that many layer visits (early exit; None: all of them).
 
     ``ranks`` (a ``train.distributed.DistEnv``, under torchrun): each rank scores its own rows of
     every batch and the sums are added over ranks, so every rank returns the one-process score. A
@@ -80,7 +81,9 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
                 else:
                     counted = ranks.is_main
             with autocast():
-                out = model(x.to(device), y.to(device))
+                # exit_after only when asked: any model with the (tokens, targets) call is scored
+                out = (model(x.to(device), y.to(device)) if exit_after is None
+                       else model(x.to(device), y.to(device), exit_after=exit_after))
             if counted:
                 # nll is the mean over this batch's targets; the last batch may be smaller, so
                 # weight by its size to get the mean over all scored tokens.
@@ -121,13 +124,13 @@ def final_sample_batches(train: Any) -> int:
 
 def score_final(model: torch.nn.Module, data: Any, train: Any, *, device: torch.device | str = "cpu",
                 autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
-                ranks: Any = None) -> CorpusScore:
+                ranks: Any = None, exit_after: int | None = None) -> CorpusScore:
     """The final evaluation of a run (``train`` is its ``TrainConfig``): the first
     ``final_sample_batches(train)`` validation batches at the run's batch size and sequence length,
     the same windows for every run on this data. Training ends with it, and calling it again on
     the saved final weights gives the same numbers (``archlab eval --final``)."""
     return score_validation(model, data, final_sample_batches(train), train.batch_size, train.seq_len,
-                            device=device, autocast=autocast, ranks=ranks)
+                            device=device, autocast=autocast, ranks=ranks, exit_after=exit_after)
 
 
 def clipped_note(score: CorpusScore, data_path: str | Path) -> str:
@@ -149,7 +152,8 @@ def check_same_tokenizer(ckpt: Path, data: Any) -> None:
 
 def evaluate_checkpoint_on(data_dir: str | Path | None, ckpt: str | Path, *, batches: int = 16,
                            batch_size: int = 8, seq_len: int | None = None,
-                           device: torch.device | str = "cpu", final: bool = False) -> dict[str, Any]:
+                           device: torch.device | str = "cpu", final: bool = False,
+                           exit_after: int | None = None) -> dict[str, Any]:
     """Loss and bits per byte of checkpoint ``ckpt`` (a run or checkpoint directory) on the
     validation split of ``data_dir`` (None: the data it was trained on).
 
@@ -158,25 +162,38 @@ def evaluate_checkpoint_on(data_dir: str | Path | None, ckpt: str | Path, *, bat
     evaluation sample instead (``score_final``: its batch size, sequence length and
     ``final_eval_tokens``, and bf16 autocast on CUDA as in training), so the final loss a run
     recorded is reproduced from its saved weights; ``batches``, ``batch_size`` and ``seq_len``
-    are then unused. The data must have been tokenized with the checkpoint's tokenizer; anything
+    are then unused. ``exit_after``: the loss of an early exit after that many layer visits
+    (``check_exit``). The data must have been tokenized with the checkpoint's tokenizer; anything
     else is a ``DataError``.
     """
     from archlab.data.loader import TokenData
     from archlab.io.checkpoint import load_model
 
     model, cfg, ckpt_dir = load_model(ckpt, device)
+    check_exit(model, exit_after)
     data = TokenData(data_dir if data_dir is not None else cfg.data.path)
     data.check_model_vocab(cfg.model.vocab_size)
     check_same_tokenizer(ckpt_dir, data)
     if final:
         bf16 = torch.device(device).type == "cuda" and cfg.train.dtype in ("auto", "bfloat16")
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
-        score = score_final(model, data, cfg.train, device=device, autocast=autocast)
-        return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path)}
+        score = score_final(model, data, cfg.train, device=device, autocast=autocast, exit_after=exit_after)
+        return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path), "exit_layer": exit_after}
     seq = seq_len or cfg.train.seq_len
     if seq > cfg.model.max_seq_len:
         raise UsageError(f"--seq-len must be at most the model's context of {cfg.model.max_seq_len} tokens, "
                          f"got {seq}")
-    score = score_validation(model, data, batches, batch_size, seq, device=device)
-    return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path)}
+    score = score_validation(model, data, batches, batch_size, seq, device=device, exit_after=exit_after)
+    return {**score.as_dict(), "checkpoint": str(ckpt_dir), "data": str(data.path), "exit_layer": exit_after}
 
+
+def check_exit(model: torch.nn.Module, exit_after: int | None) -> None:
+    """Refuse an early exit the model cannot take, in one line (``--exit-layer``)."""
+    if exit_after is None or exit_after in model.exit_points:
+        return
+    n = len(model.visits)
+    if exit_after > n or exit_after < 1:
+        raise UsageError(f"--exit-layer must be from 1 to the {n} layer visits the model runs per token, "
+                         f"got {exit_after}")
+    raise UsageError(f"--exit-layer {exit_after}: the state there is not as wide as the final norm; "
+                     f"exits: {model.exit_points}")

@@ -20,7 +20,11 @@ Layer schedules (the ``schedule`` slot) that loop or skip: a layer's parameters 
 but its FLOPs, its KV elements and the weights a decode step reads are counted once per *visit*
 (``Part.runs``): a looped layer runs (and, at these model sizes, is read from memory) again, and a
 skipped layer is neither run nor read, nor counted as active. The residual stream states its cost
-over the visits itself (its sites are per visit).
+over the visits itself (its sites are per visit). A schedule kind may state a cost of its own (a
+loop's channel between iterations) and, for layer dropout, each visit's mean probability of
+running in training: training FLOPs (and MFU) count a visit by that probability, the FLOPs a run
+actually spends on average; prefill and decode run every visit. A component only inference runs
+(``Cost.trained`` false) counts in prefill and decode, not in training.
 
 Follower rows (the decode branch's) add rows, not weights: prefill is the primary's alone,
 decode and training run ``1 + followers`` rows; followers compute no keys/values and read no
@@ -47,6 +51,15 @@ class Part:
     #: how many times one forward pass runs it: a layer's part once per visit of the schedule
     #: (2 for a layer a loop repeats, 0 for a skipped one); scales FLOPs, KV and decode reads
     runs: int = 1
+    #: how many times a training forward runs it on average, when that is fewer (layer dropout:
+    #: its visits' mean keep probabilities over the run, summed); None: ``runs``
+    train_runs: float | None = None
+
+    def training_runs(self) -> float:
+        """Runs per training forward: none for a component only inference runs."""
+        if not self.cost.trained:
+            return 0
+        return self.runs if self.train_runs is None else self.train_runs
 
 
 def parts(cfg: ModelConfig) -> list[Part]:
@@ -58,16 +71,22 @@ def parts(cfg: ModelConfig) -> list[Part]:
     final = specs[visits[-1]].d  # the unembedding's
     norm = cfg.variant("norm").load()
     ffn = cfg.variant("ffn").load()
+    schedule = cfg.variant("schedule").load()
+    # each visit's mean probability of running in training (layer dropout); None: always
+    keep = schedule.training_keep(cfg) if hasattr(schedule, "training_keep") else None
     out = [Part("embedding", None, Cost(params=V * d, embedding=V * d))]
     out.append(Part("rows", None, cfg.variant("rows").load().cost(cfg, specs)))
     # the residual stream has two sites per visit: it is costed over the visits' specs, once
     out.append(Part("residual", None, cfg.variant("residual").load().cost(cfg, visit_specs(cfg, specs))))
+    if hasattr(schedule, "cost"):  # the schedule's own components (a loop's channel)
+        out.append(Part("schedule", None, schedule.cost(cfg, specs)))
     for s in specs:
         norms = Cost(params=sum(norm.cost(cfg, site, s.d).params for site in ("attn_in", "attn_out", "mlp_in", "mlp_out")))
         runs = visits.count(s.layer)
-        out += [Part(f"L{s.layer}.attn", s.layer, Attention.cost(cfg, s), runs),
-                Part(f"L{s.layer}.ffn", s.layer, ffn.cost(cfg, s), runs),
-                Part(f"L{s.layer}.norms", s.layer, norms, runs)]
+        train = None if keep is None else sum(k for k, layer in zip(keep, visits) if layer == s.layer)
+        out += [Part(f"L{s.layer}.attn", s.layer, Attention.cost(cfg, s), runs, train),
+                Part(f"L{s.layer}.ffn", s.layer, ffn.cost(cfg, s), runs, train),
+                Part(f"L{s.layer}.norms", s.layer, norms, runs, train)]
     out.append(Part("final_norm", None, norm.cost(cfg, "final", final)))
     head = Cost(params=0 if cfg.tie_embeddings else V * final, flops=2 * final * V,
                 # a tied table is read whole as the unembedding
@@ -95,13 +114,14 @@ def param_counts(cfg: ModelConfig, ps: list[Part] | None = None) -> dict[str, in
 
 
 # ``ps``: the config's parts when the caller has them already (``costs`` lists them once).
-def _row_flops(ps: list[Part], keys: float, follower: bool) -> float:
-    return sum(p.runs * p.cost.row_flops(keys, follower) for p in ps)
+# ``training``: count what a training forward runs (``Part.training_runs``), on average over the run.
+def _row_flops(ps: list[Part], keys: float, follower: bool, training: bool = False) -> float:
+    return sum((p.training_runs() if training else p.runs) * p.cost.row_flops(keys, follower) for p in ps)
 
 
-def _all_rows_flops(cfg: ModelConfig, keys: float, ps: list[Part] | None = None) -> float:
+def _all_rows_flops(cfg: ModelConfig, keys: float, ps: list[Part] | None = None, training: bool = False) -> float:
     ps = ps or parts(cfg)
-    return _row_flops(ps, keys, False) + followers(cfg) * _row_flops(ps, keys, True)
+    return _row_flops(ps, keys, False, training) + followers(cfg) * _row_flops(ps, keys, True, training)
 
 
 def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int, ps: list[Part] | None = None) -> float:
@@ -115,12 +135,14 @@ def decode_flops_per_token(cfg: ModelConfig, context: int, ps: list[Part] | None
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, ps: list[Part] | None = None) -> float:
-    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2, ps)
+    """The mean over the run: a visit layer dropout drops counts by its mean keep probability."""
+    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2, ps, training=True)
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """PaLM convention: 6 N (non-embedding matmul params per row) + 12 L q_dim T, over all rows."""
-    return 3 * _all_rows_flops(cfg, seq_len)  # non-causal attention, as the convention counts it
+    """PaLM convention: 6 N (non-embedding matmul params per row) + 12 L q_dim T, over all rows
+    (the blocks a training step runs, on average over the run)."""
+    return 3 * _all_rows_flops(cfg, seq_len, training=True)  # non-causal attention, as the convention counts it
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2, ps: list[Part] | None = None) -> int:

@@ -144,6 +144,8 @@ class Run:
     # for the device, so the loop reads it one step later, while the next step is already queued.
     def train_step(self, step: int) -> torch.Tensor:
         tc = self.cfg.train
+        # for a model that changes over the run (layer dropout's probabilities decay)
+        distributed.unwrap(self.model).set_training_progress(step / tc.steps)
         batches = []
         for micro in range(tc.grad_accum):
             x, y = self.data.train_batch(step, micro, tc.batch_size, tc.seq_len, self.cfg.data.seed)

@@ -25,6 +25,9 @@ class Cost:
     kv_elems: int = 0  # key and value elements one token writes to the cache
     #: parameters a decode step of ``batch`` sequences reads (None: every non-embedding parameter)
     decode_params: Callable[[int], int] | None = field(default=None, repr=False)
+    #: whether training runs it: False for a component only inference runs (DiscoLoop's
+    #: realignment), whose FLOPs count in prefill and decode but not in training
+    trained: bool = True
 
     @property
     def active_params(self) -> int:

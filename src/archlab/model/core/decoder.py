@@ -7,7 +7,10 @@
 A *visit* is one entry of the layer schedule (the ``schedule`` slot): usually every layer once, in
 order, but a schedule may run a layer again (a loop) or leave one out. What differs between two
 runs of the same weights is keyed by visit: the KV cache entry, the residual sites ``2v`` and
-``2v + 1``, the rows' taps and the per-run costs; parameters belong to the layer.
+``2v + 1``, the rows' taps and the per-run costs; parameters belong to the layer. A run may stop
+after its first visits and read out there (early exit, ``exit_after``); a schedule kind may let
+rows skip a visit in training (layer dropout) or transform the state between visits (a loop's
+channel) through its optional hooks (``core.spec.Sequential``).
 
 Every piece is the kind a config chooses for its slot (``archlab.model.registry``): the layer
 shapes (``heads``, ``width``), the positions, the norms, the init, the FFN, the residual stream,
@@ -22,6 +25,7 @@ every decode step); both return the readout's log-probabilities of the next toke
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +94,11 @@ class Transformer(nn.Module):
         kinds = registry.chosen(cfg)
         self.specs = layer_specs(cfg)
         self.visits = layer_visits(cfg)
-        # A schedule kind may also drop visits in training (layer dropout / stochastic depth):
-        # ``keep(visit, rows, device)`` -> a [rows, 1, 1] multiplier of that visit's two outputs
-        # (0 drops it for a row, 1/(1-p) rescales a kept one), or None to keep the visit as is.
-        # Only in training: cached decoding and evaluation run every visit.
-        self.visit_keep = getattr(cfg.variant("schedule").load()(cfg), "keep", None)
+        # The schedule kind's optional hooks (``core.spec.Sequential`` lists them): ``keep`` lets
+        # rows drop a visit in training (layer dropout), ``between`` transforms the state before
+        # some visits (a loop's channel), ``set_training_progress`` hears how far training is.
+        self.schedule = kinds["schedule"].load()(cfg)
+        self.visit_keep = getattr(self.schedule, "keep", None)
         self.visit_specs = visit_specs(cfg, self.specs)
         self.base_width = base_width(cfg)
         self.widths = [s.d for s in self.specs]
@@ -116,11 +120,16 @@ class Transformer(nn.Module):
             block = Block(cfg, spec, self.norms, ffn)
             self.rows.attach_block(block, spec)
             self.layers.append(block)
-        final = self.widths[self.visits[-1]]
+        self.final_width = final = self.widths[self.visits[-1]]
         self.norm = self.norms.site(None, "final", final)
         self.lm_head = Linear(final, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        # Last: a schedule without it builds nothing, and every module above draws as before.
+        make_between = getattr(self.schedule, "between", None)
+        self.between = make_between() if make_between is not None else None
+        # Early exit may stop after visit v when the state there has the final norm's width.
+        self.exit_points = [n for n in range(1, len(self.visits) + 1) if self.widths[self.visits[n - 1]] == final]
         self.reset_parameters()
 
     # ---- initialisation ----------------------------------------------------------------------
@@ -136,14 +145,29 @@ class Transformer(nn.Module):
             block.init_parameters(init)
         self.norm.init_parameters(init)
         init.linear(self.lm_head.weight, role="head")  # tied: the table's final value is this draw
+        if self.between is not None:
+            self.between.init_parameters(init)
 
     # ---- one run over the layers -------------------------------------------------------------
-    def run(self, x: Tensor, ctx: Context) -> Tensor:
-        """Embedded rows [R, T, d] through the layer schedule; the final-normed hidden state."""
+    def run(self, x: Tensor, ctx: Context, exit_after: int | None = None,
+            on_exit: Callable[[int, Tensor], None] | None = None) -> Tensor:
+        """Embedded rows [R, T, d] through the layer schedule; the final-normed hidden state.
+
+        ``exit_after``: run only the first that many visits and read out there through the final
+        norm (early exit; those visits write exactly the cache entries the full run writes).
+        ``on_exit(visit, hidden)``: called after every visit an exit may follow, with the
+        final-normed state that exit reads out (every exit's loss in one run)."""
+        visits = self.visits
+        if exit_after is not None:
+            if exit_after not in self.exit_points:
+                raise ValueError(f"exit_after={exit_after}: an exit may follow visits {self.exit_points}")
+            visits = visits[:exit_after]
         state = self.residual.start(x, ctx)
         width, seen = self.base_width, []  # seen: states at each resize (the width slot's refill)
-        for visit, layer in enumerate(self.visits):
+        for visit, layer in enumerate(visits):
             block = self.layers[layer]
+            if self.between is not None and visit in self.between.before:
+                state = self.between(state, visit, self)
             if self.varying_width and self.widths[layer] != width:
                 width = self.widths[layer]
                 state = self.residual.resize(state, width, seen)
@@ -151,12 +175,40 @@ class Transformer(nn.Module):
             # a block again in backward, after the loop has moved on, and must see this visit.
             vctx = dataclasses.replace(ctx, visit=visit)
             site = 2 * visit
-            keep = self.visit_keep(visit, x.shape[0], x.device) if self.training and self.visit_keep else None
-            out = block.attention(self.residual.read(state, site), vctx)
-            state = self.residual.write(state, site, out if keep is None else out * keep)
-            out = block.feed_forward(self.residual.read(state, site + 1), vctx)
-            state = self.residual.write(state, site + 1, out if keep is None else out * keep)
+            kept = self.visit_keep(visit, x.shape[0], x.device) if self.training and self.visit_keep else None
+            if kept is None:
+                out = block.attention(self.residual.read(state, site), vctx)
+                state = self.residual.write(state, site, out)
+                out = block.feed_forward(self.residual.read(state, site + 1), vctx)
+                state = self.residual.write(state, site + 1, out)
+            else:
+                state = self._run_kept_rows(block, state, kept, vctx)
+            if on_exit is not None and width == self.final_width:
+                on_exit(visit, self.norm(self.residual.final(state)))
         return self.norm(self.residual.final(state))
+
+    @staticmethod
+    def _run_kept_rows(block: Block, h: Tensor, kept: tuple[Tensor, Tensor | float], ctx: Context) -> Tensor:
+        """A visit that some rows drop in training (the schedule's ``keep``: the kept rows'
+        indices and the scale of their update): only the kept rows run the block, and their update
+        ``Attn + FFN`` is scaled and added back; a dropped row passes through and costs nothing.
+        Scaling the block's whole update keeps the expected output of a block the unscaled one's.
+        The state is the hidden tensor itself: a kind that drops rows refuses other residual kinds."""
+        rows, scale = kept
+        if rows.numel() == 0:  # a shape: known on the host, no device sync
+            return h
+        every = rows.numel() == h.shape[0]
+        x = h if every else h.index_select(0, rows)
+        a = block.attention(x, ctx)
+        update = (a.to(h.dtype) + block.feed_forward(x + a, ctx).to(h.dtype)) * scale
+        return h + update if every else h.index_add(0, rows, update.to(h.dtype))
+
+    def set_training_progress(self, progress: float) -> None:
+        """How far training is (0 at the first step, 1 at the end), for a schedule kind that
+        changes over the run (layer dropout's probabilities decay); nothing for the others."""
+        hook = getattr(self.schedule, "set_training_progress", None)
+        if hook is not None:
+            hook(progress)
 
     @property
     def visit_blocks(self) -> list[Block]:
@@ -167,11 +219,13 @@ class Transformer(nn.Module):
         return self.lm_head(hidden)
 
     # ---- training / evaluation ----------------------------------------------------------------
-    def forward(self, idx: Tensor, targets: Tensor | None = None, followers: bool = True) -> ModelOutput:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, followers: bool = True,
+                exit_after: int | None = None) -> ModelOutput:
         """Full causal forward over [B, T] tokens; with targets, the readout's loss.
-        ``followers=False`` runs the primary rows alone (the baseline's function)."""
+        ``followers=False`` runs the primary rows alone (the baseline's function);
+        ``exit_after``: read out after that many visits (early exit, ``run``)."""
         ctx = Context(rope=self.position.tables(idx.shape[1]))
-        logits, extra = self.rows(self, idx, ctx, followers=followers)
+        logits, extra = self.rows(self, idx, ctx, followers=followers, exit_after=exit_after)
         out = ModelOutput(logits=logits, extra_logits=extra)
         out.aux_loss = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
         if targets is not None:
@@ -198,16 +252,20 @@ class Transformer(nn.Module):
         return Context(rope=self.position.tables(positions), cache=cache, positions=positions,
                        cache_rows=cache_rows, mask=mask[:, None])
 
-    def prefill(self, idx: Tensor, cache: KVCache, lengths: Tensor, cache_rows: Tensor | None = None) -> Tensor:
+    def prefill(self, idx: Tensor, cache: KVCache, lengths: Tensor, cache_rows: Tensor | None = None,
+                exit_after: int | None = None) -> Tensor:
         """Run prompts ``idx`` [B, T] (row ``b``'s first ``lengths[b]`` tokens; the rest is
         padding) into cache ``rows`` from position 0; log-probabilities of each prompt's next
-        token [B, V]. Padding writes cache slots that decoding overwrites before it reads them."""
+        token [B, V]. Padding writes cache slots that decoding overwrites before it reads them.
+        ``exit_after``: only the first that many visits run (and write their cache entries)."""
         b, t = idx.shape
         positions = torch.arange(t, device=idx.device).expand(b, t)
         ctx = Context(rope=self.position.tables(t), cache=cache, positions=positions, cache_rows=cache_rows)
-        return self.rows.prefill(self, idx, ctx, lengths)
+        return self.rows.prefill(self, idx, ctx, lengths, exit_after=exit_after)
 
-    def decode(self, idx: Tensor, cache: KVCache, positions: Tensor, cache_rows: Tensor | None = None) -> Tensor:
+    def decode(self, idx: Tensor, cache: KVCache, positions: Tensor, cache_rows: Tensor | None = None,
+               exit_after: int | None = None) -> Tensor:
         """One new token per sequence, ``idx`` [B, 1] at ``positions`` [B]; log-probabilities of
-        the next token [B, V]."""
-        return self.rows.decode(self, idx, self.cache_context(cache, positions[:, None], cache_rows))
+        the next token [B, V]. ``exit_after``: as in ``prefill``."""
+        ctx = self.cache_context(cache, positions[:, None], cache_rows)
+        return self.rows.decode(self, idx, ctx, exit_after=exit_after)

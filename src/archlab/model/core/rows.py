@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from archlab.model.core.spec import LayerSpec
 
 
+def run_layers(model: "Transformer", x: Tensor, ctx: Context, exit_after: int | None) -> Tensor:
+    """``model.run(x, ctx)``, handing ``exit_after`` on only when an early exit is asked for, so
+    that a wrapper of ``run`` written for its two arguments (a test's call counter) keeps working."""
+    return model.run(x, ctx) if exit_after is None else model.run(x, ctx, exit_after)
+
+
 def last_of(x: Tensor, lengths: Tensor) -> Tensor:
     """``x[b, lengths[b] - 1]`` for every row of ``x`` [B, T, ...], as [B, 1, ...]."""
     return x[torch.arange(x.shape[0], device=x.device), lengths - 1][:, None]
@@ -53,19 +59,21 @@ class PrimaryRows(nn.Module):
         return Cost()
 
     # ---- running --------------------------------------------------------------------------------
-    def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True
-                ) -> tuple[Tensor, Tensor | None]:
+    # ``exit_after`` (early exit): every run over the layers stops after that many visits.
+    def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True,
+                exit_after: int | None = None) -> tuple[Tensor, Tensor | None]:
         """(primary logits [B, T, V], extra logits or None) of a full causal forward."""
-        return model.logits(model.run(model.tok_emb(idx), ctx)), None
+        return model.logits(run_layers(model, model.tok_emb(idx), ctx, exit_after)), None
 
-    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor) -> Tensor:
+    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor,
+                exit_after: int | None = None) -> Tensor:
         """Run prompts (writing the cache); log-probabilities of each one's next token [B, V]."""
-        hidden = model.run(model.tok_emb(idx), ctx)
+        hidden = run_layers(model, model.tok_emb(idx), ctx, exit_after)
         return self.log_probs(model.logits(last_of(hidden, lengths)), None)[:, 0]
 
-    def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+    def decode(self, model: "Transformer", idx: Tensor, ctx: Context, exit_after: int | None = None) -> Tensor:
         """One token per sequence ([B, 1]); log-probabilities of the next token [B, V]."""
-        hidden = model.run(model.tok_emb(idx), ctx)
+        hidden = run_layers(model, model.tok_emb(idx), ctx, exit_after)
         return self.log_probs(model.logits(hidden), None)[:, 0]
 
     # ---- the readout ----------------------------------------------------------------------------

@@ -90,6 +90,19 @@ class Sequential:
     or not at all (a skipped layer: its parameters exist but never run). The core keys the KV
     cache, the residual sites, the rows' taps and the per-run costs by *visit* (position in this
     list), so any fixed list works; it is fixed per config (a draw per step is not supported).
+
+    Optional hooks a kind may add (the core uses each only if present):
+
+    * ``keep(visit, rows, device)``: in training only, which rows run a visit: None (all, as
+      usual) or (kept row indices [k] on ``device``, the scale of their update); the decoder
+      runs the block on the kept rows alone (layer dropout; the state must be the standard
+      stream's hidden tensor). ``set_training_progress(fraction)`` hears how far training is.
+    * ``between()``: a module built with the model (after every other) whose ``before`` lists
+      visits; the decoder calls ``module(state, visit, model)`` on the residual state before
+      each of them (DiscoLoop's channel between loop iterations).
+    * classmethods ``cost(cfg, specs) -> Cost`` (the kind's own components) and
+      ``training_keep(cfg)`` (each visit's mean probability of running in training, which the
+      accounting's training FLOPs weight it by).
     """
 
     def __init__(self, cfg: "ModelConfig") -> None:

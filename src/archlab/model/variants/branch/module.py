@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from archlab.kernels.appended_coupling import couple_appended_
 from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
-from archlab.model.core.rows import PrimaryRows, last_of
+from archlab.model.core.rows import PrimaryRows, last_of, run_layers
 from archlab.model.core.spec import base_width
 from archlab.model.variants.branch.readout import readout_log_probs, readout_nll
 
@@ -218,17 +218,18 @@ class BranchRows(PrimaryRows):
         return model.branch_emb((idx[None] + offsets[:, None, None]).flatten(0, 1))
 
     # ---- running --------------------------------------------------------------------------------
-    def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True
-                ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True,
+                exit_after: int | None = None) -> tuple[Tensor, Tensor | None]:
         if not followers:
-            return super().forward(model, idx, ctx)
+            return super().forward(model, idx, ctx, exit_after=exit_after)
         record = RecordPass()
-        primary = model.logits(model.run(model.tok_emb(idx), dataclasses.replace(ctx, rows=record)))
+        primary = model.logits(run_layers(model, model.tok_emb(idx), dataclasses.replace(ctx, rows=record), exit_after))
         follow = dataclasses.replace(ctx, rows=FollowPass(model.visit_blocks, record))
-        branch = model.logits(model.run(self.embed(model, idx), follow))
+        branch = model.logits(run_layers(model, self.embed(model, idx), follow, exit_after))
         return primary, branch.view(self.n_branches, *primary.shape)
 
-    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor) -> Tensor:
+    def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor,
+                exit_after: int | None = None) -> Tensor:
         b, t = idx.shape
         r = self.n_branches
         # The first follower rows (each prompt's last token, every branch) appended on the time
@@ -236,7 +237,7 @@ class BranchRows(PrimaryRows):
         follow = self.embed(model, last_of(idx, lengths)).view(r, b, -1).transpose(0, 1)
         x = torch.cat([model.tok_emb(idx), follow], dim=1)
         rows = AppendedPass(model.visit_blocks, lengths, r, model.position)
-        hidden = model.run(x, dataclasses.replace(ctx, rows=rows))
+        hidden = run_layers(model, x, dataclasses.replace(ctx, rows=rows), exit_after)
         # One unembedding for what the readout needs: each prompt's last primary row, then the r
         # follower rows.
         last = torch.cat([(lengths - 1)[:, None], torch.arange(t, t + r, device=idx.device).expand(b, r)], dim=1)
@@ -244,10 +245,11 @@ class BranchRows(PrimaryRows):
         branch = logits[:, 1:].transpose(0, 1)[:, :, None]  # [r, B, 1, V]
         return self.log_probs(logits[:, :1], branch)[:, 0]
 
-    def decode(self, model: "Transformer", idx: Tensor, ctx: Context) -> Tensor:
+    def decode(self, model: "Transformer", idx: Tensor, ctx: Context, exit_after: int | None = None) -> Tensor:
         b = idx.shape[0]
         x = torch.cat([model.tok_emb(idx), self.embed(model, idx)])
-        logits = model.logits(model.run(x, dataclasses.replace(ctx, rows=GroupedPass(model.visit_blocks, b))))
+        grouped = dataclasses.replace(ctx, rows=GroupedPass(model.visit_blocks, b))
+        logits = model.logits(run_layers(model, x, grouped, exit_after))
         primary, branch = logits[:b], logits[b:]
         return self.log_probs(primary, branch.view(self.n_branches, *primary.shape))[:, 0]
 

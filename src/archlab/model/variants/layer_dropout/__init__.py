@@ -1,0 +1,51 @@
+"""Layer dropout (spec section 3, arXiv 2609.05275): the ``layer_dropout`` kind of the ``schedule``
+slot.
+
+``model.schedule: layer_dropout`` with options ``model.layer_dropout.*``. In training, each
+sequence drops each visit (a whole block: attention and FFN) with a probability that rises
+linearly with depth, from 0 at the first visit to ``p_max`` at the last, and decays linearly to 0
+over the run (``decay``); a kept block's update is scaled by ``1/(1-p)``. Evaluation and cached
+decoding run every visit unscaled. The visits themselves are another schedule kind's
+(``schedule``: ``sequential`` or ``looped``), so dropout composes with loops. Dropped rows are
+not computed: the decoder runs a block on the kept rows only (``Transformer.run``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from archlab.model import registry
+from archlab.model.registry import Variant, register
+from archlab.typed import check
+
+
+@dataclass
+class LayerDropoutConfig:
+    p_max: float = 0.2  # drop probability of the last visit at the start of training
+    decay: bool = True  # the probabilities fall linearly to 0 over the run (false: constant)
+    #: the schedule kind whose visits are dropped (its own options apply: ``model.looped.*``)
+    schedule: str = "sequential"
+
+    def validate(self, model) -> None:
+        check(math.isfinite(self.p_max) and 0 <= self.p_max < 1, "model.layer_dropout.p_max",
+              f"must be a probability in [0, 1), got {self.p_max}")
+        kinds = registry.variants("schedule")
+        check(self.schedule in kinds and self.schedule != "layer_dropout", "model.layer_dropout.schedule",
+              f"must name another schedule kind ({', '.join(k for k in sorted(kinds) if k != 'layer_dropout')}), "
+              f"got {self.schedule!r}")
+        base = kinds[self.schedule]
+        if base.section_name is not None and hasattr(getattr(model, base.section_name), "validate"):
+            getattr(model, base.section_name).validate(model)
+        residual = getattr(getattr(model, "residual", None), "kind", "standard")
+        check(residual == "standard", "model.residual.kind",
+              f"layer dropout adds a kept block's scaled update x + (Attn + FFN)/(1-p) to the hidden state, "
+              f"which only the standard stream has; {residual!r} cannot be combined with it")
+        check(registry.followers(model) == 0, "model.schedule",
+              "layer dropout draws per row of a run; the decode branch's follower rows run apart from their "
+              "primary rows and would drop other blocks: turn one of them off")
+
+
+register(Variant("schedule", "layer_dropout", "archlab.model.variants.layer_dropout.schedule:LayerDropout",
+                 options=LayerDropoutConfig, section="layer_dropout",
+                 doc="in training, each sequence drops whole blocks, more often deeper (stochastic depth)"))
