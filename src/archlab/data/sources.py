@@ -1,9 +1,11 @@
 """Document sources: where a corpus lives and how to read it as ``(name, text)`` documents.
 
 A source is chosen by a spec string: ``stdlib`` (the running interpreter's standard-library
-source, always present offline), a local path (a file, a directory or a glob pattern) read as
-text, JSONL, Parquet or a Hugging Face ``save_to_disk`` folder, or, when the ``datasets`` package
-is installed and no such local path exists, a Hugging Face hub dataset name.
+source, always present offline), ``twohop`` or ``twohop:key=value,...`` (the two-hop benchmark's
+corpus, generated from a seed by :mod:`archlab.data.twohop`), a local path (a file, a directory or
+a glob pattern) read as text, JSONL, Parquet or a Hugging Face ``save_to_disk`` folder, or, when
+the ``datasets`` package is installed and no such local path exists, a Hugging Face hub dataset
+name.
 
 Documents come out in a deterministic order (files sorted by relative path, rows in file order)
 with names that are stable across machines (relative paths, ``file:line``, ``file:row``), because
@@ -25,7 +27,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -40,6 +42,9 @@ from archlab.data.decoding import (
     text_encoding,
 )
 from archlab.errors import DataError
+
+if TYPE_CHECKING:
+    from archlab.data.twohop import TwoHopSource
 
 Document = tuple[str, str]
 
@@ -157,8 +162,9 @@ def open_source(
     split: str = "train",
     max_bytes: int | None = None,
     encoding: str = DEFAULT_ENCODING,
-) -> Source:
-    """Resolve ``spec`` into a :class:`Source`, checking that it exists and holds files.
+) -> Source | TwoHopSource:
+    """Resolve ``spec`` into a :class:`Source`, checking that it exists and holds files (or, for
+    ``twohop[:options]``, into the generated :class:`~archlab.data.twohop.TwoHopSource`).
 
     ``fmt="auto"`` infers the format: a directory with ``state.json`` or ``dataset_dict.json`` is
     a Hugging Face ``save_to_disk`` folder, any other directory is read as text files; a file (or
@@ -171,6 +177,11 @@ def open_source(
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r}; allowed: {', '.join(FORMATS)}")
     encoding = text_encoding(encoding)
+    if spec.partition(":")[0] == "twohop":
+        # Imported here, not at the top: the generator imports prepare, which imports this module.
+        from archlab.data.twohop import open_twohop
+
+        return open_twohop(spec, fmt=fmt, field=field, split=split, max_bytes=max_bytes, encoding=encoding)
     source = _resolve(spec, fmt, field, split, max_bytes)
     if encoding != DEFAULT_ENCODING:
         if source.fmt not in DECODED_FORMATS[1:]:

@@ -18,7 +18,9 @@ Metrics (``evaluate_mc``, ``evaluate_lambada``), each accuracy with its binomial
   for being long and is comparable across tokenizers (OLMES' ``acc_per_byte``; the
   lm-evaluation-harness ``acc_norm`` divides by characters, identical for ASCII text).
 * LAMBADA: ``acc`` counts passages whose last word's tokens (``" " + word``) are all the greedy
-  argmax given the passage; ``ppl`` is ``exp(-mean log p(word))``.
+  argmax given the passage; ``ppl`` is ``exp(-mean log p(word))``. The two-hop tasks
+  (``twohop_id``, ``twohop_ood``) are scored the same way: their ``acc`` is the exact match of
+  the answer (``archlab.eval.twohop``).
 
 The scorer works with any archlab model (the readout log-probabilities, so a decode-branch model is
 scored by its mixture) or with any callable ``tokens [B, T] -> logits [B, T, V]`` (e.g. a
@@ -229,8 +231,12 @@ def load_checkpoint_for_eval(path, device: torch.device | str = "cpu"):
 
 def evaluate_checkpoint(path, loaded: dict[str, Sequence[Item]], *, device: torch.device | str = "cpu",
                         batch_size: int = 8, progress: Callable[[int], None] | None = None):
-    """(``{task: metrics}``, checkpoint dir) of a checkpoint on loaded task items."""
-    model, _, ckpt, tok = load_checkpoint_for_eval(path, device)
+    """(``{task: metrics}``, checkpoint dir) of a checkpoint on loaded task items; two-hop items
+    must be the queries held out of the checkpoint's own training data (``eval.twohop``)."""
+    from archlab.eval.twohop import check_items_match_data
+
+    model, cfg, ckpt, tok = load_checkpoint_for_eval(path, device)
+    check_items_match_data(cfg.data.path, loaded)
     return evaluate_tasks(model, tok, loaded, batch_size=batch_size, device=device, progress=progress), ckpt
 
 

