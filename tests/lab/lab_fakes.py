@@ -38,6 +38,14 @@ def fake_loss(cfg: RunConfig, step: int) -> float:
     return level + 4.0 * math.exp(-step / max(1.0, cfg.train.steps / 5))
 
 
+def fake_batches(cfg: RunConfig, loss: float) -> list[list[float]]:
+    """The final sample's per-batch [nats, tokens]: 4 batches of 100 tokens whose losses differ by
+    batch (the same for every run: a hard batch is hard for every model) and a little by run."""
+    rng = random.Random(cfg.hash() + "/batches")
+    shifts = [-0.3, 0.1, 0.5, -0.3]
+    return [[100 * (loss + sh + rng.gauss(0.0, 0.002)), 100] for sh in shifts]
+
+
 class FakeTrainer:
     """Callable with ``train``'s signature; records every call as (run directory name, first step),
     and with ``log`` appends ``[name, first step, pid]`` to that file (shared by processes).
@@ -107,7 +115,8 @@ class FakeTrainer:
                           train_curve=train, tokens=step * tc.tokens_per_step, steps=step,
                           tokens_per_s=done * tc.tokens_per_step / wall if wall > 0 and done else 0.0,
                           wall_s=wall, params=1000, final_val_tokens=tc.final_eval_tokens if finished else None,
-                          final_val_se=0.001 if finished else None)
+                          final_val_se=0.001 if finished else None,
+                          final_val_batches=fake_batches(cfg, loss) if finished else None)
 
 
 def fake_costs(model: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:

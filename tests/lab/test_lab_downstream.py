@@ -218,7 +218,7 @@ def _downgrade_to_v1(db: Path) -> None:
     raw.execute("DROP TABLE latency")
     raw.execute("DROP TABLE heldout")  # v5
     raw.execute("ALTER TABLE runs DROP COLUMN runs_at_once")
-    for column in ("final_rule", "final_val_tokens", "final_val_se"):  # v6
+    for column in ("final_rule", "final_val_tokens", "final_val_se", "final_val_batches"):  # v6, v7
         raw.execute(f"ALTER TABLE runs DROP COLUMN {column}")
     plan = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
     for key in ("tasks", "task_dir", "limit", "adjust", "final_tokens", "families"):

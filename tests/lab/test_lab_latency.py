@@ -309,7 +309,7 @@ def test_a_v3_database_migrates_to_v4_and_takes_latencies(tmp_path: Path) -> Non
     raw = sqlite3.connect(db, isolation_level=None)  # what a v3 archlab left: no latency table, older plan
     raw.execute("DROP TABLE latency")
     raw.execute("DROP TABLE heldout")  # v5
-    for column in ("final_rule", "final_val_tokens", "final_val_se"):  # v6
+    for column in ("final_rule", "final_val_tokens", "final_val_se", "final_val_batches"):  # v6, v7
         raw.execute(f"ALTER TABLE runs DROP COLUMN {column}")
     raw.execute("ALTER TABLE downstream DROP COLUMN chance")
     meta = json.loads(raw.execute("SELECT value FROM meta WHERE key = 'plan'").fetchone()[0])
@@ -324,7 +324,7 @@ def test_a_v3_database_migrates_to_v4_and_takes_latencies(tmp_path: Path) -> Non
     md, _ = write_report(plan.out_dir)  # opens (and migrates) the old file and reports it
     assert "Measured latency: none (costs.measure auto measures runs trained on CUDA" in md.read_text()
     raw = sqlite3.connect(db)
-    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     assert [tuple(r) for r in raw.execute(f"SELECT {columns} FROM runs ORDER BY run_id")] == before
     raw.close()
     done, running = plan.runs[0].run_id, plan.runs[3].run_id

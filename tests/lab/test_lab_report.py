@@ -160,6 +160,7 @@ def test_counts_read_in_the_singular_and_devices_say_what_they_are(tmp_path: Pat
 
     md = write_report(plan.out_dir)[0].read_text()
     assert COSTS_NOTE in md and "not comparable" in COSTS_NOTE
-    assert "Device: fake-cpu (3 runs)" in md and "Final loss = the final weights on a fixed validation sample of 1,048,576 tokens" in md and "over 2 variants" in md
+    assert "Device: fake-cpu (3 runs)" in md and "Final loss = the final weights on a fixed validation sample of 1,048,576 tokens" in md
+    assert "in a variant's difference from the baseline on the same sample (what a paired verdict rests on)" in md and "over 2 variants" in md
     for wrong in ("1 seeds", "1 threads", "1 runs", "variant(s)"):
         assert wrong not in md

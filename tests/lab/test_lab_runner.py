@@ -359,3 +359,13 @@ def test_the_suite_bar_shows_an_eta_while_it_trains(tmp_path: Path) -> None:
     with ResultStore(plan.out_dir / DB_NAME) as store:
         run_suite(plan, store, list(plan.runs), train_fn=spy, console=quiet())
     assert seen[0] == "-:--:--" and all(s != "-:--:--" for s in seen[1:])
+
+
+def test_code_revision_is_named_by_the_environment_where_git_cannot_tell(monkeypatch) -> None:
+    """A working tree copied without its history (a device call) names its revision itself."""
+    from archlab.lab.runner import code_revision
+
+    monkeypatch.setenv("ARCHLAB_CODE_REVISION", "abc1234+uncommitted")
+    assert code_revision() == "abc1234+uncommitted"
+    monkeypatch.delenv("ARCHLAB_CODE_REVISION")
+    assert code_revision() != "abc1234+uncommitted"

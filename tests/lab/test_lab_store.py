@@ -124,7 +124,7 @@ def test_migrates_a_v1_database(tmp_path: Path) -> None:
         assert d.source == "/t/piqa.jsonl"
         assert store.integrity_ok()
     raw = sqlite3.connect(db)
-    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
     with pytest.raises(sqlite3.IntegrityError, match="never"):
         raw.execute("UPDATE runs SET final_val_loss = 0 WHERE run_id = 'a'")  # v1's triggers still hold
     raw.close()

@@ -173,6 +173,9 @@ def test_the_final_loss_is_the_saved_final_weights_on_the_final_sample(stdlib_da
     direct = evaluate_checkpoint_on(None, tmp_path / "run", final=True)
     assert (direct["loss"], direct["bpb"], direct["tokens"]) == (res.final_val_loss, res.final_val_bpb, 1024)
     assert res.final_val_se is not None and direct["se"] == res.final_val_se and 0 < res.final_val_se < 1
+    # the per-batch losses travel with it (for paired sampling errors between runs)
+    assert len(res.final_val_batches) == 8 and [t for _, t in res.final_val_batches] == [128] * 8
+    assert sum(n for n, _ in res.final_val_batches) / 1024 == pytest.approx(res.final_val_loss, rel=1e-12)
     # the curve's last evaluation is of the same weights but on its own smaller sample (2 batches)
     assert res.val_curve[-1]["step"] == 6 and res.val_curve[-1]["val_tokens"] == 2 * 4 * 32
     assert res.val_curve[-1]["loss"] != res.final_val_loss
@@ -187,7 +190,14 @@ def test_the_final_loss_is_the_saved_final_weights_on_the_final_sample(stdlib_da
 
 
 def test_sampling_se_by_hand():
-    from archlab.eval.corpus import sampling_se
+    from archlab.eval.sample_error import paired_sampling_se, sampling_se
+
+    # two models on the same batches: the error of the difference, from the per-batch differences
+    a, b = [[4.0 * 10, 10], [6.0 * 10, 10], [5.0 * 10, 10]], [[3.9 * 10, 10], [5.8 * 10, 10], [5.0 * 10, 10]]
+    d = [0.1, 0.2, 0.0]  # per-batch loss differences; mean 0.1
+    hand = math.sqrt(3 / 2 * sum((x - 0.1) ** 2 * 100 for x in d)) / 30
+    assert paired_sampling_se(a, b) == pytest.approx(hand)
+    assert paired_sampling_se(a, b[:2]) is None and paired_sampling_se(a, [[1.0, 9]] + b[1:]) is None
 
     # batch losses 2, 4 (equal weights): mean 3; ratio estimator sqrt(2/1 * (1^2 + 1^2) * w^2) / (2w) = 1
     assert sampling_se([2.0 * 10, 4.0 * 10], [10, 10]) == pytest.approx(1.0)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from archlab.errors import DataError, UsageError
+from archlab.eval.sample_error import sampling_se
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class CorpusScore:
     # sampling standard error of ``loss``: the spread of the per-batch losses over the sample
     # (batches are disjoint runs of the split, weighted by their tokens); None below 2 batches
     se: float | None = None
+    batch_nats: tuple[float, ...] = ()  # per batch: summed loss (nats) and tokens scored, so that
+    batch_tokens: tuple[int, ...] = ()  # two models on the same sample give a paired error
 
     @property
     def clipped(self) -> bool:
@@ -98,20 +101,8 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
     nats, tokens, n_bytes = sum(nats_b), int(sum(tokens_b)), int(sum(sums[2::3]))
     return CorpusScore(loss=nats / tokens, bpb=nats / math.log(2) / n_bytes, tokens=tokens, bytes=n_bytes,
                        tokens_requested=n_batches * batch_size * seq_len, batches=len(batches),
-                       se=sampling_se(nats_b, tokens_b))
-
-
-def sampling_se(nats: list[float], tokens: list[float]) -> float | None:
-    """Standard error of the token-weighted mean loss ``sum(nats) / sum(tokens)`` over batches
-    (the ratio estimator's: ``sqrt(n / (n - 1) * sum(w_i^2 (l_i - mean)^2)) / sum(w_i)`` with
-    ``l_i`` a batch's mean loss and ``w_i`` its tokens); None below two batches."""
-    n = len(tokens)
-    if n < 2:
-        return None
-    total = sum(tokens)
-    mean = sum(nats) / total
-    spread = sum((a - mean * w) ** 2 for a, w in zip(nats, tokens))  # w^2 (l - mean)^2, l = a / w
-    return math.sqrt(n / (n - 1) * spread) / total
+                       se=sampling_se(nats_b, tokens_b), batch_nats=tuple(nats_b),
+                       batch_tokens=tuple(int(t) for t in tokens_b))
 
 
 def final_sample_batches(train: Any) -> int:

@@ -147,7 +147,12 @@ def prepare_job(job: DataJob, prepare_fn: PrepareFn | None = None) -> None:
 
 def code_revision() -> str:
     """``git rev-parse HEAD`` of archlab's own checkout (``+dirty`` with uncommitted changes to
-    tracked files), or ``unknown`` when archlab is not running from a git checkout."""
+    tracked files), or ``unknown`` when archlab is not running from a git checkout. A copy whose
+    git metadata is missing or stale (a working tree copied to another machine without its
+    history) names its revision in ``ARCHLAB_CODE_REVISION``, which then wins."""
+    named = os.environ.get("ARCHLAB_CODE_REVISION", "").strip()
+    if named:
+        return named
     pkg = str(Path(archlab.__file__).resolve().parent)
     try:
         head = subprocess.run(["git", "-C", pkg, "rev-parse", "HEAD"], capture_output=True, text=True,

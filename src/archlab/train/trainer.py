@@ -48,6 +48,8 @@ class TrainResult:
     params: int = 0
     final_val_tokens: int | None = None  # tokens of the final sample (None: stopped short)
     final_val_se: float | None = None  # the final loss's sampling standard error over that sample
+    #: the final sample's per-batch (summed nats, tokens): paired sampling errors between runs
+    final_val_batches: list[list[float]] | None = None
 
 
 # ---- schedule ----------------------------------------------------------------------------------
@@ -496,7 +498,8 @@ def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, sh
         device=device_name(run.device),
         mfu=(tokens_per_s * flops_tok / peak) if peak and tokens_per_s else None, params=params,
         final_val_tokens=None if final is None else final["val_tokens"],
-        final_val_se=None if final is None else final["se"])
+        final_val_se=None if final is None else final["se"],
+        final_val_batches=None if final is None else final.get("batches_nats_tokens"))
 
 
 def _final_evaluation(run: Run, out: Path, log: "MetricsLog | _NoLog") -> dict[str, Any]:
@@ -510,6 +513,7 @@ def _final_evaluation(run: Run, out: Path, log: "MetricsLog | _NoLog") -> dict[s
             return found
     score = run.evaluate_final()
     rec = {"kind": "final", "step": step, "tokens": step * run.cfg.train.tokens_per_step, "loss": score.loss,
-           "bpb": score.bpb, "val_tokens": score.tokens, "batches": score.batches, "se": score.se}
+           "bpb": score.bpb, "val_tokens": score.tokens, "batches": score.batches, "se": score.se,
+           "batches_nats_tokens": [[n, t] for n, t in zip(score.batch_nats, score.batch_tokens)]}
     log.write(rec)
     return rec

@@ -34,8 +34,8 @@ from archlab.lab.report.tables import (compute_hours, compute_table, costs_table
                                        downstream_verdicts_table, heldout_table, latency_ratio, mde_of,
                                        paired_design, planned_seeds, results_table, task_metric)
 from archlab.lab.report.text import (COMPUTE_NOTE, COSTS_NOTE, DOWNSTREAM_NOTE, DOWNSTREAM_VERDICTS_NOTE, HELDOUT_NOTE,
-                                     METHOD_NOTE, compute_fact, devices_fact, final_fact, latency_fact, latency_note,
-                                     mde_fact, overview, schedule_fact, verdict_rule)
+                                     METHOD_NOTE, budget_facts, compute_fact, devices_fact, final_fact, latency_fact,
+                                     latency_note, mde_fact, overview, schedule_fact, suite_overview, verdict_rule)
 from archlab.lab.report.trend import markdown as trend_markdown
 from archlab.lab.report.trend import trend, trend_table
 from archlab.errors import ArchlabError
@@ -48,7 +48,7 @@ __all__ = [
     "downstream_table", "downstream_verdicts_table", "fig_curves", "fig_diffs", "fig_effect_by_length",
     "fig_latency", "fig_tradeoff", "final_fact", "heldout_table", "latency_fact", "latency_note", "latency_ratio",
     "mde_fact", "mde_of", "overview", "paired_design", "planned_seeds", "print_report", "results_table",
-    "schedule_fact", "task_metric", "verdict_rule", "write_report",
+    "budget_facts", "schedule_fact", "suite_overview", "task_metric", "verdict_rule", "write_report",
 ]
 
 FIGURES = (  # (file, caption); the file stem is the figure's short name
@@ -121,16 +121,6 @@ def _tables(data: ReportData) -> list[tuple[str, list[str], list[list[str]]]]:
     return tables
 
 
-def _budget_facts(data: ReportData) -> list[str]:
-    """What a budget's section of a multi-budget report states above its tables."""
-    done = sum(len(x.finished) for x in data.summaries)
-    floor = ("-" if data.floor is None else
-             f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)")
-    return [f"Runs: {done} of {sum(x.planned for x in data.summaries)} finished", schedule_fact(data),
-            f"Noise floor: {floor}", final_fact(data), mde_fact(data)] + (
-        data.downstream_verdicts.warnings() if data.downstream_verdicts is not None else [])
-
-
 def write_report(out_dir: str | Path) -> tuple[Path, Path]:
     """Write report.md (+ PNGs) and report.html into the suite directory ``out_dir``. A suite with
     several token budgets gets a section per budget and the effects against training length; its
@@ -153,14 +143,14 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
         pngs[LENGTH_FIGURE[0]] = _png(fig_effect_by_length(trend_rows))
     for name, blob in pngs.items():
         _write_atomic(out / name, blob)
-    facts = overview(data)
+    facts = suite_overview(parts)
     desc = data.suite["description"]
     notes = {"Costs": [COSTS_NOTE] + ([latency_note(data)] if data.measured else []),
              "Downstream verdicts": [DOWNSTREAM_VERDICTS_NOTE], "Downstream": [DOWNSTREAM_NOTE],
              "Held-out corpora": [HELDOUT_NOTE], "Compute": [COMPUTE_NOTE]}
     # (heading, level, facts, tables) per section: one section per budget of a multi-budget suite
     sections = ([(None, [], _tables(data))] if len(parts) == 1 else
-                [(f"Budget {si(p.budget)} tokens", _budget_facts(p), _tables(p)) for p in parts])
+                [(f"Budget {si(p.budget)} tokens", budget_facts(p), _tables(p)) for p in parts])
 
     md = [f"# {title}", ""] + ([desc, ""] if desc else []) + [f"- {f}" for f in facts] + [""]
     body = [f"<h1>{html.escape(title)}</h1>"] + ([f"<p>{html.escape(desc)}</p>"] if desc else [])
@@ -170,12 +160,12 @@ def write_report(out_dir: str | Path) -> tuple[Path, Path]:
         if trend_rows:
             header, rows = _trend_rows(trend_rows)
             body += ["<h2>Effect against training length</h2>", _html_table(header, rows)]
-    for heading, budget_facts, tables in sections:
+    for heading, section_facts, tables in sections:
         level = "##" if heading is None else "###"
         if heading is not None:
-            md += [f"## {heading}", ""] + [f"- {f}" for f in budget_facts] + [""]
+            md += [f"## {heading}", ""] + [f"- {f}" for f in section_facts] + [""]
             body += [f"<h2>{html.escape(heading)}</h2>",
-                     "<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in budget_facts) + "</ul>"]
+                     "<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in section_facts) + "</ul>"]
         for name, header, rows in tables:
             md += [f"{level} {name}", "", _md_table(header, rows), ""]
             body += [f"<h{len(level)}>{name}</h{len(level)}>", _html_table(header, rows)]
@@ -210,7 +200,7 @@ def print_report(out_dir: str | Path, console: Console) -> None:
     with several, then its effects against training length."""
     with ResultStore(Path(out_dir) / DB_NAME, create=False) as store:
         parts = collect_budgets(store)
-    for fact in overview(parts[-1]):
+    for fact in suite_overview(parts):
         console.print(fact, highlight=False)
     for data in parts:
         _print_results(data, console)

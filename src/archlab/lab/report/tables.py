@@ -28,9 +28,15 @@ def _p(p: float | None) -> str:
     return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
 
 
-def task_metric(task: str) -> str:
-    """The headline metric of a downstream task: acc for LAMBADA, else (multiple choice) acc_norm."""
-    return "acc" if task == "lambada" else "acc_norm"
+def task_metric(task: str, data: ReportData | None = None) -> str:
+    """The headline metric of a downstream task: what its stored results are (acc for a task scored
+    by exact match, such as LAMBADA or the two-hop queries; acc_norm for multiple choice), or by
+    name before any result exists."""
+    if data is not None:
+        for s in data.summaries:
+            for d in s.downstream.get(task, []):
+                return d.metric
+    return "acc" if task == "lambada" or task.startswith("twohop") else "acc_norm"
 
 
 def _task_cell(data: ReportData, s: LabelSummary, task: str) -> str:
@@ -133,7 +139,7 @@ def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     families = data.downstream_verdicts.families if data.downstream_verdicts is not None else []
     header = ["variant", "seeds", "val loss", "bpb", "Δ loss", "z", "95% CI of Δ", "test",
               "p paired", "p unpaired", "p Bonferroni", "p Holm", "MDE", "verdict"] + [
-                  f"{f.family} verdict" for f in families] + [f"{t} {task_metric(t)}" for t in data.tasks]
+                  f"{f.family} verdict" for f in families] + [f"{t} {task_metric(t, data)}" for t in data.tasks]
     out = []
     for s in data.summaries:
         c = s.comparison
@@ -187,7 +193,7 @@ def downstream_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     header = ["variant", "seeds"]
     for t in data.tasks:
         ns = sorted({d.n for s in data.summaries for d in s.downstream.get(t, [])})
-        header.append(f"{t} {task_metric(t)}" + (f" (n={'/'.join(map(str, ns))})" if ns else ""))
+        header.append(f"{t} {task_metric(t, data)}" + (f" (n={'/'.join(map(str, ns))})" if ns else ""))
     out = []
     for s in data.summaries:
         evaluated = {d.run_id for rows in s.downstream.values() for d in rows}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import replace
 
 from archlab.lab.fmt import device_text, duration, latency_device_text, plural
 from archlab.lab.report.data import ReportData
@@ -108,6 +109,47 @@ def overview(data: ReportData) -> list[str]:
         data.downstream_verdicts.warnings() if data.downstream_verdicts is not None else [])
 
 
+def suite_overview(parts: list[ReportData]) -> list[str]:
+    """The facts at the top of a report: ``overview`` for a suite with one budget; for several,
+    what holds for the whole suite (its budgets, every run, compute, provenance), the rest being
+    per budget (``budget_facts``)."""
+    if len(parts) == 1:
+        return overview(parts[0])
+    data = parts[-1]
+    s = data.suite
+    rows = [r for p in parts for r in p.rows]
+    done = sum(len(x.finished) for p in parts for x in p.summaries)
+    planned = sum(x.planned for p in parts for x in p.summaries)
+    whole = replace(data, rows=rows)
+    first = overview(data)  # the suite and seed lines are the same at every budget
+    return [
+        first[0],
+        f"Budgets: {', '.join(f'{b:,}' for b in data.budgets)} tokens, {s['budget']['match']} matching"
+        + "".join(f"; {label}: {m}" for label, m in sorted(s["budget"].get("variant_match", {}).items()))
+        + "; each (label, seed) trained once per budget, from scratch, with the schedule of its own length",
+        first[2],
+        f"Runs: {done} of {planned} finished over the budgets",
+        verdict_rule(data)[0].upper() + verdict_rule(data)[1:] + ", at each budget on its own",
+        compute_fact(whole),
+    ] + [f"Stop rule broken: {c['what']} after {plural(c['finished'], 'run')} had finished ({c['at']}): "
+         f"{INVALID}" for c in data.seed_changes] + [
+        f"Code revision: {', '.join(sorted({r.code_revision for r in rows})) or '-'}",
+        devices_fact(rows),
+        latency_fact(data),
+    ]
+
+
+def budget_facts(data: ReportData) -> list[str]:
+    """What a budget's section of a multi-budget report states above its tables."""
+    done = sum(len(x.finished) for x in data.summaries)
+    floor = ("-" if data.floor is None else
+             f"{data.floor:.4f} (sample std of the baseline's {len(data.baseline.losses)} final losses)")
+    return [f"Runs: {done} of {sum(x.planned for x in data.summaries)} finished", schedule_fact(data),
+            f"Noise floor: {floor}", final_fact(data), mde_fact(data)] + (
+        [_downstream_fact(data)] if data.tasks else []) + (
+        data.downstream_verdicts.warnings() if data.downstream_verdicts is not None else [])
+
+
 def verdict_rule(data: ReportData) -> str:
     """The rule a verdict follows, in one sentence."""
     other = "Holm" if data.adjust == "bonferroni" else "Bonferroni"
@@ -115,6 +157,24 @@ def verdict_rule(data: ReportData) -> str:
     return (f"verdict: the paired t-test on the seed pairs a variant shares with the baseline (at "
             f"least 2; the test column says how many), else Welch's; {name}-adjusted p over "
             f"{plural(data.n_tests, 'variant')} < alpha = {data.alpha} decides ({other} shown too)")
+
+
+def paired_sample_errors(data: ReportData) -> list[float]:
+    """Per variant, the final sample's sampling error of its difference from the baseline: from
+    the per-batch losses of its first finished run and the baseline run with the same seeds."""
+    from archlab.eval.sample_error import paired_sampling_se  # imported when a report is written
+
+    base = {(r.init_seed, r.data_seed): r for r in data.baseline.finished if r.final_val_batches}
+    out = []
+    for s in data.summaries[1:]:
+        for r in s.finished:
+            partner = base.get((r.init_seed, r.data_seed))
+            if r.final_val_batches and partner is not None:
+                se = paired_sampling_se(r.final_val_batches, partner.final_val_batches)
+                if se is not None:
+                    out.append(se)
+                    break
+    return out
 
 
 def schedule_fact(data: ReportData) -> str:
@@ -149,11 +209,14 @@ def final_fact(data: ReportData) -> str:
         text = (f"Final loss = the final weights on a fixed validation sample of {size} tokens (the "
                 "validation split's first windows, the same for every run)")
         if ses:
-            se = statistics.median(ses)
-            text += f"; its sampling standard error {se:.4f} (median over runs)"
+            text += f"; its sampling standard error {statistics.median(ses):.4f} (median over runs)"
+        paired = paired_sample_errors(data)
+        if paired:
+            se = statistics.median(paired)
+            text += (f", in a variant's difference from the baseline on the same sample (what a paired verdict "
+                     f"rests on) {se:.4f} (median over variants)")
             if data.floor:
-                text += (f", {se / data.floor:.2f} noise floors (in a paired difference the shared sample "
-                         "cancels further)")
+                text += f", {se / data.floor:.2f} noise floors"
         parts.append(text)
     smoothed = [x for x in rules if x and x != FINAL_WEIGHTS]
     if smoothed:

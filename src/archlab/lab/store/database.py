@@ -43,12 +43,12 @@ from archlab.lab.store.claims import (LATENCY_KEY, Claim, ClaimResult, display_s
 from archlab.lab.store.rows import (DownstreamRow, HeldoutRow, LatencyRow, RunRow, RunStart, Status,
                                     TrainOutcome)
 from archlab.lab.store.schema import (_MIGRATIONS, _SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
-                                      _SCHEMA_V6, COST_KEYS, SCHEMA_VERSION)
+                                      _SCHEMA_V6, _SCHEMA_V7, COST_KEYS, SCHEMA_VERSION)
 
 __all__ = [
     "COST_KEYS", "DB_NAME", "FINAL_WEIGHTS", "LATENCY_KEY", "SCHEMA_VERSION", "Claim", "ClaimResult", "DownstreamRow",
     "Heartbeat", "HeldoutRow", "LatencyRow", "ResultStore", "RunRow", "RunStart", "Status", "TrainOutcome",
-    "_MIGRATIONS", "_SCHEMA_V1", "_SCHEMA_V2", "_SCHEMA_V3", "_SCHEMA_V4", "_SCHEMA_V5", "_SCHEMA_V6",
+    "_MIGRATIONS", "_SCHEMA_V1", "_SCHEMA_V2", "_SCHEMA_V3", "_SCHEMA_V4", "_SCHEMA_V5", "_SCHEMA_V6", "_SCHEMA_V7",
     "display_status",
     "downstream_key", "is_run_key",
 ]
@@ -270,6 +270,7 @@ class ResultStore:
         stored with it), or ``mean of last k ...``."""
         tokens = getattr(result, "final_val_tokens", None)
         se = getattr(result, "final_val_se", None)
+        batches = getattr(result, "final_val_batches", None)
         self._end(run_id, "finished", dict(
             tokens=int(result.tokens), steps=int(result.steps), final_val_loss=float(final_val_loss),
             final_val_bpb=float(final_val_bpb), val_curve=_dumps(list(result.val_curve)),
@@ -277,7 +278,8 @@ class ResultStore:
             tokens_per_s=float(result.tokens_per_s),
             mfu=None if result.mfu is None else float(result.mfu), wall_s=float(result.wall_s),
             device=str(result.device), runs_at_once=runs_at_once, final_rule=final_rule,
-            final_val_tokens=None if tokens is None else int(tokens), final_val_se=_opt(se)))
+            final_val_tokens=None if tokens is None else int(tokens), final_val_se=_opt(se),
+            final_val_batches=None if batches is None else _dumps(batches)))
 
     def mark_diverged(self, run_id: str, message: str) -> None:
         """A run whose loss became non-finite: a result too (the variant is unstable here)."""
@@ -387,6 +389,7 @@ def _row(r: sqlite3.Row) -> RunRow:
         params_model=r["params_model"], tokens_per_s=r["tokens_per_s"], mfu=r["mfu"],
         wall_s=r["wall_s"], device=r["device"], error=r["error"], runs_at_once=r["runs_at_once"],
         final_rule=r["final_rule"], final_val_tokens=r["final_val_tokens"], final_val_se=r["final_val_se"],
+        final_val_batches=json.loads(r["final_val_batches"]) if r["final_val_batches"] else None,
     )
 
 

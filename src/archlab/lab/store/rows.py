@@ -87,6 +87,7 @@ class RunRow:
     final_rule: str | None = None
     final_val_tokens: int | None = None
     final_val_se: float | None = None
+    final_val_batches: list[list[float]] | None = None  # per batch of the final sample: [nats, tokens]
 
 
 

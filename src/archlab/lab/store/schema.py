@@ -20,12 +20,14 @@ tokens/s was measured in); v4 (measured cost) adds the ``latency`` table and its
 (extra evaluation corpora) adds the ``heldout`` table (a finished run's loss on each of the suite's
 ``eval_data`` corpora) and its triggers; v6 (final losses of the final weights) adds to ``runs`` how
 the final loss was obtained (``final_rule``) and the final evaluation's sample size and sampling
-standard error, and to ``downstream`` each task's chance level.
+standard error, and to ``downstream`` each task's chance level; v7 adds the final sample's
+per-batch losses (``runs.final_val_batches``), from which the report computes the sample's error in
+a paired difference.
 """
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # The cost columns of METHODOLOGY.md, as returned by ``archlab.model.accounting.costs``.
 COST_KEYS: tuple[str, ...] = (
@@ -183,7 +185,11 @@ _SCHEMA_V6: tuple[str, ...] = (
     "ALTER TABLE downstream ADD COLUMN chance REAL",  # the task's chance level of the headline metric
 )
 
+_SCHEMA_V7: tuple[str, ...] = (
+    "ALTER TABLE runs ADD COLUMN final_val_batches TEXT",  # JSON [[summed nats, tokens], ...] per batch
+)
+
 # _MIGRATIONS[v - 1] takes a database from version v - 1 to v (version 0: an empty file).
 _MIGRATIONS: tuple[tuple[str, ...], ...] = (_SCHEMA_V1, _SCHEMA_V2, _SCHEMA_V3, _SCHEMA_V4, _SCHEMA_V5,
-                                            _SCHEMA_V6)
+                                            _SCHEMA_V6, _SCHEMA_V7)
 assert len(_MIGRATIONS) == SCHEMA_VERSION
