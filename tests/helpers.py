@@ -53,3 +53,16 @@ def small_filesystem(path: Path, size_kb: int) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run([umount, "-l", str(path)], capture_output=True)
+
+
+def assert_same_function_bitwise(a, b, x) -> None:
+    """Models ``a`` and ``b`` give the same logits and the same gradients, bit for bit, on tokens
+    ``x`` [B, T+1] (inputs ``x[:, :-1]``, targets ``x[:, 1:]``); both are left with gradients."""
+    import torch
+
+    out_a, out_b = a(x[:, :-1], x[:, 1:]), b(x[:, :-1], x[:, 1:])
+    assert torch.equal(out_a.logits, out_b.logits)
+    out_a.loss.backward()
+    out_b.loss.backward()
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

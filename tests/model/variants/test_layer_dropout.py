@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import assert_same_function_bitwise
+
 from archlab.config import make_config
 from archlab.errors import ConfigError
 from archlab.io.checkpoint import resolve_checkpoint
@@ -41,13 +43,7 @@ def tokens(batch: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
 
 def test_p_max_zero_is_the_plain_model_bit_for_bit():
     plain, drop = built(), built(DROP, "model.layer_dropout.p_max=0")
-    x = tokens(4)
-    a, b = plain(x[:, :-1], x[:, 1:]), drop(x[:, :-1], x[:, 1:])  # both in training mode
-    assert torch.equal(a.logits, b.logits)
-    a.loss.backward()
-    b.loss.backward()
-    for p, q in zip(plain.parameters(), drop.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
+    assert_same_function_bitwise(plain, drop, tokens(4))  # both in training mode
 
 
 def test_probabilities_rise_with_depth_and_fall_over_the_run():

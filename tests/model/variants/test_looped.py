@@ -16,7 +16,7 @@ from archlab.model import build_model
 from archlab.model.accounting import costs, param_counts, per_layer
 from archlab.model.variants.looped.module import DiscreteChannel
 from archlab.model.variants.looped.schedule import Looped
-from tests.helpers import run_cli
+from tests.helpers import assert_same_function_bitwise, run_cli
 from tests.infer.test_engine import uncached_greedy
 from tests.infer.test_generate import assert_matches_full_forward
 
@@ -57,13 +57,7 @@ def test_one_loop_is_the_plain_model_bit_for_bit(prelude, coda):
     assert once.visits == list(range(L))
     for (name, a), (_, b) in zip(plain.state_dict().items(), once.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    x = tokens()
-    out_plain, out_once = plain(x[:, :-1], x[:, 1:]), once(x[:, :-1], x[:, 1:])
-    assert torch.equal(out_plain.logits, out_once.logits)
-    out_plain.loss.backward()
-    out_once.loss.backward()
-    for a, b in zip(plain.parameters(), once.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
+    assert_same_function_bitwise(plain, once, tokens())
 
 
 def test_disco_with_alpha_zero_is_the_plain_loop_bit_for_bit():
