@@ -9,6 +9,7 @@ against the detected device's peak FLOP/s.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +19,7 @@ import torch
 
 from archlab.infer.engine import Engine
 from archlab.infer.sampling import SamplingParams
+from archlab.infer.speculative import SpeculationStats, SpeculativeOptions
 from archlab.model.accounting import decode_bytes_per_step, prefill_flops_per_token
 
 
@@ -120,6 +122,61 @@ def bench_decode(model, batch: int, context: int, steps: int = 100, bandwidth: f
         roof = decode_bytes_per_step(model.cfg, context, batch, nbytes) / bandwidth * 1e3
     return DecodeResult(batch=batch, context=context, ms_per_step=ms, tokens_per_s=batch / (ms / 1e3),
                         roofline_ms=roof, frac_of_roofline=roof / ms if roof else None)
+
+
+@dataclass
+class SpeculativeResult:
+    batch: int
+    context: int  # prompt tokens per sequence
+    new_tokens: int  # generated per sequence
+    draft_tokens: int  # K
+    draft_layers: int  # k
+    visits: int  # layer visits of the full model
+    temperature: float
+    plain_tokens_per_s: float  # the engine's plain decoding (a CUDA graph on CUDA)
+    #: one token per step on the speculative engine's eager path (every request ``speculate=0``):
+    #: against it, what drafting gains apart from the plain step's compilation and CUDA graph
+    no_draft_tokens_per_s: float
+    tokens_per_s: float  # self-speculative decoding (eager)
+    speedup: float  # tokens_per_s / plain_tokens_per_s
+    acceptance: float  # accepted draft tokens / drafted
+    tokens_per_step: float  # tokens a sequence gains per verify pass
+    identical: bool | None  # greedy: every sequence's tokens equal plain decoding's (None when sampling)
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]],
+                params: list[SamplingParams]) -> tuple[float, list[list[int]]]:
+    """(tokens/s after the first token, the tokens) of generating ``prompts`` on ``engine``, after
+    an untimed run of a few tokens that compiles and captures what the engine needs."""
+    engine.generate(prompts, [dataclasses.replace(p, max_new_tokens=min(4, p.max_new_tokens)) for p in params])
+    if engine.speculative is not None:
+        engine.speculative.stats = SpeculationStats()  # the timed run's alone
+    requests = engine.generate(prompts, params)
+    end = time.perf_counter()  # generate has read every token back: the device is done
+    start = max(r.first_token_at for r in requests)  # every prompt is admitted in one prefill
+    decoded = sum(len(r.tokens) - 1 for r in requests)
+    return decoded / (end - start), [r.tokens for r in requests]
+
+
+def bench_speculative(model, batch: int, context: int, new_tokens: int, options: SpeculativeOptions,
+                      temperature: float = 0.0, prompts: list[list[int]] | None = None) -> SpeculativeResult:
+    """Plain and self-speculative decoding of the same ``batch`` prompts (``prompts``, or random
+    ones of ``context`` tokens), ``new_tokens`` each, seeds 0..batch-1."""
+    prompts = prompts or [prompt_tokens(context, model.cfg.vocab_size, seed=i) for i in range(batch)]
+    params = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i) for i in range(len(prompts))]
+    max_len = max(len(p) for p in prompts) + new_tokens + 16
+    slots = len(prompts)
+    plain_rate, plain = decode_rate(Engine(model, slots=slots, max_len=max_len), prompts, params)
+    engine = Engine(model, slots=slots, max_len=max_len, speculate=options)
+    no_draft = decode_rate(engine, prompts, [dataclasses.replace(p, speculate=0) for p in params])[0]
+    rate, tokens = decode_rate(engine, prompts, params)
+    spec, stats = engine.speculative, engine.speculative.stats
+    return SpeculativeResult(batch=slots, context=max(len(p) for p in prompts), new_tokens=new_tokens,
+                             draft_tokens=spec.draft_tokens, draft_layers=spec.draft_layers,
+                             visits=len(model.visits), temperature=temperature, plain_tokens_per_s=plain_rate,
+                             no_draft_tokens_per_s=no_draft, tokens_per_s=rate, speedup=rate / plain_rate,
+                             acceptance=stats.acceptance, tokens_per_step=stats.tokens_per_step,
+                             identical=tokens == plain if temperature == 0 else None)
 
 
 def as_dict(result) -> dict:

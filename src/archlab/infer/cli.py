@@ -17,8 +17,10 @@ def cmd_generate(args) -> int:
     from archlab.infer.loading import load_for_inference
     from archlab.infer.sampling import SamplingParams
 
+    speculate = speculative_options(args)
     model, tok, eos, _ = load_for_inference(args.ckpt, args.device, args.dtype)
-    ctx = model.cfg.max_seq_len
+    engine = Engine(model, slots=len(args.prompt), speculate=speculate)
+    ctx = engine.max_len  # speculation keeps one slot of the model's context (infer.speculative)
     if args.max_new_tokens >= ctx:
         raise UsageError(f"--max-new-tokens must be below the model's context of {ctx} tokens "
                          f"(room is needed for the prompt), got {args.max_new_tokens}")
@@ -30,7 +32,6 @@ def cmd_generate(args) -> int:
     stops = tuple(tok.encode(s).ids[0] for s in args.stop if tok.encode(s).ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop_tokens=stops + ((eos,) if eos is not None else ()), seed=args.seed)
-    engine = Engine(model, slots=len(prompts))
     t0 = time.perf_counter()
     requests = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -44,15 +45,31 @@ def cmd_generate(args) -> int:
     print(f"{n} tokens in {wall:.2f} s: time to first token {ttft * 1e3:.0f} ms (prefill of "
           f"{sum(len(p) for p in prompts)} prompt tokens, compilation included on first use), then "
           f"{rate:,.1f} tokens/s over {len(requests)} sequence(s)", file=sys.stderr)
+    if engine.speculative is not None:
+        spec, stats = engine.speculative, engine.speculative.stats
+        print(f"speculative: {spec.draft_tokens} draft tokens per step from {spec.draft_layers} of "
+              f"{len(model.visits)} layer visits: acceptance {stats.acceptance:.1%} ({stats.accepted} of "
+              f"{stats.drafted} drafted tokens), {stats.tokens_per_step:.2f} tokens per verify step", file=sys.stderr)
     return 0
+
+
+def speculative_options(args):
+    """``--speculate K [--draft-layers k]`` as the engine's options; None without ``--speculate``.
+    The values are checked against the model when the engine is built."""
+    if args.speculate is None:
+        if args.draft_layers is not None:
+            raise UsageError("--draft-layers sets the draft of self-speculative decoding: give --speculate K too")
+        return None
+    from archlab.infer.speculative import SpeculativeOptions
+
+    return SpeculativeOptions(draft_tokens=args.speculate, draft_layers=args.draft_layers)
 
 
 def cmd_serve(args) -> int:
     from archlab.infer.server import serve
 
-    print(f"archlab: serving {args.ckpt} on http://{args.host}:{args.port}/v1 ({args.slots} slots)", file=sys.stderr)
     serve(args.ckpt, host=args.host, port=args.port, slots=args.slots, device=args.device, dtype=args.dtype,
-          model_name=args.model_name, warm_up=not args.no_warm_up)
+          model_name=args.model_name, warm_up=not args.no_warm_up, speculate=speculative_options(args))
     return 0
 
 
@@ -64,6 +81,10 @@ def cmd_bench(args) -> int:
     from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth
 
     batches = args.batches
+    only_speculative = [flag for flag, value in (("--speculate", args.speculate), ("--draft-layers", args.draft_layers),
+                                                 ("--temperature", args.temperature)) if value is not None]
+    if only_speculative and args.what != "speculative":
+        raise UsageError(f"{only_speculative[0]} applies to archlab bench speculative")
     if args.ckpt:
         from archlab.infer.loading import load_for_inference
 
@@ -79,11 +100,13 @@ def cmd_bench(args) -> int:
         torch.manual_seed(0)
         model = build_model(cfg.model).to(dev, resolve_dtype(args.dtype, dev)).eval()
         label = f"preset {args.preset}" + (" with overrides" if args.overrides or args.config else "")
-    need = max(args.prompt, args.context + args.steps + 16)
+    need = max(args.prompt if args.what in ("prefill", "all") else 0, args.context + args.steps + 16)
     if need > model.cfg.max_seq_len:
         raise UsageError(f"--prompt / --context + --steps need {need} positions; the model has "
                          f"{model.cfg.max_seq_len} (raise model.max_seq_len with --set for a preset)")
     dev = model.lm_head.weight.device
+    if args.what == "speculative":
+        return _bench_speculative(args, model, label)
     rows: list[dict] = []
     bw = copy_bandwidth(dev)
     with torch.no_grad():
@@ -112,6 +135,43 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _bench_speculative(args, model, label: str) -> int:
+    """``archlab bench speculative``: plain against self-speculative decoding of the same prompts."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from archlab.infer.bench import as_dict, bench_speculative
+    from archlab.infer.speculative import SpeculativeOptions
+
+    options = SpeculativeOptions(draft_tokens=args.speculate or 4, draft_layers=args.draft_layers)
+    temperature = args.temperature or 0.0
+    with torch.no_grad():
+        rows = [as_dict(bench_speculative(model, b, args.context, args.steps, options, temperature))
+                for b in args.batches]
+    dev = model.lm_head.weight.device
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    draft = f"K={rows[0]['draft_tokens']} drafted by k={rows[0]['draft_layers']} of {rows[0]['visits']} visits"
+    table = Table(title=f"self-speculative decoding on {device}: {label}; {draft}; {args.steps} tokens after "
+                        f"{args.context}, {'greedy' if temperature == 0 else f'temperature {temperature:g}'}")
+    columns = ["batch", "plain tok/s", "K=0 tok/s", "spec tok/s", "vs plain", "accepted", "per step", "same"]
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r in rows:
+        same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        table.add_row(str(r["batch"]), f"{r['plain_tokens_per_s']:,.1f}", f"{r['no_draft_tokens_per_s']:,.1f}",
+                      f"{r['tokens_per_s']:,.1f}", f"{r['speedup']:.2f}x", f"{r['acceptance']:.1%}",
+                      f"{r['tokens_per_step']:.2f}", same)
+    Console().print(table)
+    print("plain: the engine's plain step (on CUDA compiled, a CUDA graph); K=0: the speculative engine's eager "
+          "step drafting nothing; per step: tokens per verify step; same: greedy tokens identical to plain "
+          "decoding's")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "model": label, "rows": rows}, f, indent=1)
+    return 0
+
+
 def port_number(text: str) -> int:
     value = positive_int(text)
     if value > 65535:
@@ -128,6 +188,16 @@ def positive_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, each at least 1, got {text!r}")
     return values
+
+
+def _speculative_args(p: argparse.ArgumentParser, more: str = "") -> None:
+    p.add_argument("--speculate", type=positive_int, metavar="K",
+                   help="self-speculative decoding: draft K tokens per step with the model's first layer visits (an "
+                        "early exit) and verify them with the full model in one pass; exact: greedy output and the "
+                        "sampling distribution are plain decoding's" + more)
+    p.add_argument("--draft-layers", type=positive_int, metavar="k",
+                   help="with --speculate: layer visits the draft runs, an exit point before the last visit "
+                        "(default: the deepest exit at or before half of the visits)")
 
 
 def _inference_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +220,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--stop", action="append", default=[],
                    help="stop a row after this text's first token (repeatable); end-of-text always stops")
     g.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (the same seed gives the same text)")
+    _speculative_args(g)
     _inference_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -162,11 +233,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model-name", help="the model id clients ask for (default: the run directory's name)")
     s.add_argument("--no-warm-up", action="store_true",
                    help="do not compile and capture the decode step before serving (first request pays it)")
+    _speculative_args(s, " (a request's archlab field \"speculate\": 0..K accepts fewer)")
     _inference_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="measure prefill and decode latency of a checkpoint or preset on the engine")
-    b.add_argument("what", choices=["prefill", "decode", "all"], help="which phase to measure")
+    b.add_argument("what", choices=["prefill", "decode", "all", "speculative"],
+                   help="which phase to measure; speculative: plain against self-speculative decoding of --steps "
+                        "new tokens after --context prompt tokens (acceptance, tokens per verify step, tokens/s)")
     b.add_argument("--ckpt", help="run directory or checkpoint directory (default: a randomly initialised --preset)")
     config_args(b, " when no --ckpt (randomly initialised)")
     b.add_argument("--prompt", type=positive_int, default=2048, help="prefill prompt length in tokens (default 2048)")
@@ -174,5 +248,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--batches", type=positive_int_list, default=[1, 8], help="decode batch sizes, comma-separated (default 1,8)")
     b.add_argument("--steps", type=positive_int, default=100, help="timed decode steps per batch size (default 100)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    b.add_argument("--speculate", type=positive_int, metavar="K", help="speculative: draft tokens per step (default 4)")
+    b.add_argument("--draft-layers", type=positive_int, metavar="k",
+                   help="speculative: layer visits of the draft, an exit point before the last visit (default: the "
+                        "deepest exit at or before half of the visits)")
+    b.add_argument("--temperature", type=non_negative_float, metavar="T",
+                   help="speculative: sampling temperature (default 0: greedy, whose tokens are checked identical "
+                        "to plain decoding's)")
     _inference_args(b)
     b.set_defaults(func=cmd_bench)

@@ -18,6 +18,9 @@ stacks its rows with the primary's in every decode step), so the engine never se
   sampling (``infer.sampling``: per-row parameters, no generator state) and the update of each
   slot's token and position. On CUDA it is compiled once and captured as a CUDA graph, one graph
   for greedy-only batches and one that samples; replaying it costs one launch.
+* **Self-speculative decoding** (``speculate=SpeculativeOptions(K, k)``): the scheduler runs
+  ``infer.speculative``'s step instead, eagerly: ``K`` tokens drafted by the first ``k`` layer
+  visits, verified by the rest in one pass, exact for greedy and sampled requests.
 * **No host synchronisation per step** in ``generate``: tokens accumulate on the device and the
   host looks at them every ``sync_every`` steps. The scheduler that serves streams reads each
   step's tokens while the next step already runs.
@@ -35,6 +38,7 @@ import torch
 from torch import Tensor
 
 from archlab.infer.sampling import SamplingParams, sample, token_keys
+from archlab.infer.speculative import SelfSpeculative, SpeculativeOptions
 from archlab.model.core.decoder import Transformer
 
 MIN_BUCKET = 16
@@ -66,17 +70,22 @@ class Request:
 
 class Engine:
     def __init__(self, model: Transformer, slots: int = 8, max_len: int | None = None,
-                 compile: bool | None = None, sync_every: int = 16, compile_mode: str | None = None):
+                 compile: bool | None = None, sync_every: int = 16, compile_mode: str | None = None,
+                 speculate: SpeculativeOptions | None = None):
         self.model = model.eval()
         cfg = model.cfg
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
+        if speculate is not None:
+            # Self-speculative decoding keeps one cache slot past the context for draft tokens
+            # that run past a row's end (``infer.speculative``); a position there needs its table.
+            self.max_len = min(self.max_len, cfg.max_seq_len - 1)
         self.slots = slots
         self.vocab = cfg.vocab_size
         self.device = model.lm_head.weight.device
         self.sync_every = sync_every
         self.cuda = self.device.type == "cuda"
         self.compile = self.cuda if compile is None else compile
-        self.cache = model.new_cache(slots, self.max_len)
+        self.cache = model.new_cache(slots, self.max_len + (speculate is not None))
         dev = self.device
         # Per-slot state, read and updated by the decode step (static addresses for the graph).
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)  # the token fed next
@@ -102,6 +111,8 @@ class Engine:
             self._decode_fn = torch.compile(self._decode_impl, dynamic=False, mode=compile_mode)
         else:
             self._decode_fn = self._decode_impl
+        # ``speculate``: the scheduler runs this step (eager) instead of the plain one
+        self.speculative = SelfSpeculative(self, speculate) if speculate is not None else None
 
     # ---- the two phases ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -220,7 +231,7 @@ class Engine:
         """Compile and capture ahead of the first request (a server does this at start): both
         decode graphs and the prefill of each bucket in ``buckets`` for each group size in
         ``batch_sizes`` (powers of eight: other sizes run as groups of those)."""
-        if self.cuda:
+        if self.cuda and self.speculative is None:
             for greedy in (True, False):
                 if greedy not in self._graphs:
                     self.step(greedy)
@@ -355,6 +366,11 @@ class Scheduler:
         if need > self.engine.max_len:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_new_tokens}) "
                              f"exceed the model's context of {self.engine.max_len} tokens")
+        asked, spec = request.params.speculate, self.engine.speculative
+        if asked and spec is None:
+            raise ValueError(f"speculate={asked} needs an engine that speculates (archlab serve --speculate K)")
+        if asked and asked > spec.draft_tokens:
+            raise ValueError(f"speculate must be at most {spec.draft_tokens} (this engine's --speculate), got {asked}")
 
     def submit(self, request: Request) -> None:
         self.check(request)
@@ -417,21 +433,29 @@ class Scheduler:
             active = {s: r for s, r in self.running.items() if not r.done}
             if not active:
                 continue
-            if self.waiting or any(r.on_token is not None for r in active.values()):
+            if self.waiting or self.engine.speculative is not None or any(r.on_token is not None
+                                                                            for r in active.values()):
                 self.step_once()
             else:
                 self._run_unsynced(active)
 
     def step_once(self) -> None:
-        """One decode step for every slot; each running request gets its token."""
+        """One decode step for every slot; each running request gets its token (a speculative
+        step: its accepted draft tokens and one more)."""
         active = {s: r for s, r in self.running.items() if not r.done}
         greedy = all(r.params.greedy for r in active.values())
         self._count_step(len(active))
         t0 = time.perf_counter()
-        tokens = self.engine.step(greedy).tolist()
+        if self.engine.speculative is not None:
+            produced = self.engine.speculative.step(active)
+        else:
+            tokens = self.engine.step(greedy).tolist()
+            produced = {slot: [tokens[slot]] for slot in active}
         t1 = time.perf_counter()
         for slot, r in active.items():
-            self._emit(r, tokens[slot])
+            for token in produced[slot]:
+                if not r.done:  # a stop token among accepted drafts ends the request there
+                    self._emit(r, token)
         self.step_s += t1 - t0
         self.emit_s += time.perf_counter() - t1
 

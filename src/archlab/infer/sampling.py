@@ -32,6 +32,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     stop_tokens: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
     seed: int = 0
+    #: on a speculative engine, the most draft tokens of a step this request may accept (None: the
+    #: engine's ``--speculate``; 0: none, one token per step as plain decoding gives)
+    speculate: int | None = None
 
     def check(self) -> None:
         """Raise ValueError naming the first parameter out of range (the server's 400s)."""
@@ -43,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.speculate is not None and self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0 (0 = no draft tokens), got {self.speculate}")
 
     @property
     def greedy(self) -> bool:
@@ -71,24 +76,25 @@ def uniforms(seed: Tensor, position: Tensor, keys: Tensor) -> Tensor:
     """``u`` in (0, 1) for every (row, token id): [B, vocab], a pure function of the seed, the
     position and the token (``keys = token_keys(vocab)``)."""
     row = _mix(seed.long() * _GOLDEN + position.long())  # [B]
-    h = _mix(row[:, None] ^ keys[None, :])
+    return _unit(_mix(row[:, None] ^ keys[None, :]))
+
+
+def uniform_at(seed: Tensor, position: Tensor, token: Tensor, keys: Tensor) -> Tensor:
+    """``uniforms(seed, position, keys)[b, token[b]]`` for every row [B], without hashing the
+    rest of the vocabulary."""
+    row = _mix(seed.long() * _GOLDEN + position.long())
+    return _unit(_mix(row ^ keys[token]))
+
+
+def _unit(h: Tensor) -> Tensor:
     return (_lsr(h, 40).float() + 0.5) / float(1 << 24)  # 24 random bits, never 0 or 1
 
 
-@torch.compiler.disable  # eager inside compiled steps: inductor (torch 2.11) failed to generate its sort/softmax
-def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
-           position: Tensor, keys: Tensor | None = None) -> Tensor:
-    """One token per row from log-probabilities [B, V]; rows with temperature 0 take the argmax.
-
-    ``top_k`` keeps the k most likely tokens (0: all); ``top_p`` then keeps the smallest set of
-    most likely tokens whose probability reaches ``top_p`` (a token is dropped when the tokens
-    ranked above it already reach it; the first always stays). ``position`` is the position the
-    chosen token will have in its sequence (part of the hash); ``keys`` is ``token_keys(V)``,
-    which compiled callers pass in (computed once, outside the compiled code).
-    """
+def restrict(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """(the logits divided by each row's temperature, the tokens top-k and top-p keep) for
+    log-probabilities [B, V]: what ``sample`` draws among, and ``sampling_probs`` normalises."""
     logits = logprobs.float()
     vocab = logits.shape[-1]
-    greedy = logits.argmax(-1)
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     ordered, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
@@ -96,9 +102,37 @@ def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, 
     keep = rank[None, :] < k[:, None]
     probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
     keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
-    kept = torch.zeros_like(keep).scatter(-1, order, keep)  # back to token order
+    return scaled, torch.zeros_like(keep).scatter(-1, order, keep)  # back to token order
+
+
+def sampling_probs(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                   restricted: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """The distribution ``sample`` draws each row's token from, [B, V] (fp32): the softmax of the
+    scaled logits over the kept tokens, and for a greedy row (temperature 0) all the mass on its
+    argmax. Speculative decoding's rejection rule compares two of these (``infer.speculative``).
+    ``restricted``: ``restrict``'s result for these arguments, when the caller has it (one sort)."""
+    scaled, kept = restricted or restrict(logprobs, temperature, top_k, top_p)
+    probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+    onehot = torch.zeros_like(probs).scatter(-1, logprobs.argmax(-1, keepdim=True), 1.0)
+    return torch.where((temperature > 0)[:, None], probs, onehot)
+
+
+@torch.compiler.disable  # eager inside compiled steps: inductor (torch 2.11) failed to generate its sort/softmax
+def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+           position: Tensor, keys: Tensor | None = None, restricted: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """One token per row from log-probabilities [B, V]; rows with temperature 0 take the argmax.
+
+    ``top_k`` keeps the k most likely tokens (0: all); ``top_p`` then keeps the smallest set of
+    most likely tokens whose probability reaches ``top_p`` (a token is dropped when the tokens
+    ranked above it already reach it; the first always stays). ``position`` is the position the
+    chosen token will have in its sequence (part of the hash); ``keys`` is ``token_keys(V)``,
+    which compiled callers pass in (computed once, outside the compiled code); ``restricted``:
+    ``restrict``'s result for these arguments, when the caller has it.
+    """
+    greedy = logprobs.argmax(-1)
+    scaled, kept = restricted or restrict(logprobs, temperature, top_k, top_p)
     if keys is None:
-        keys = token_keys(vocab, logits.device)
+        keys = token_keys(logprobs.shape[-1], logprobs.device)
     gumbel = -torch.log(-torch.log(uniforms(seed, position, keys)))
     chosen = (scaled + gumbel).masked_fill(~kept, float("-inf")).argmax(-1)
     return torch.where(temperature > 0, chosen, greedy)

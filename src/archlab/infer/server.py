@@ -1,7 +1,8 @@
 """``archlab serve``: an OpenAI-compatible completions server on the engine (FastAPI + uvicorn).
 
     POST /v1/completions   {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed",
-                            "stream"; archlab's extra: "top_k"}
+                            "stream"; archlab's extras: "top_k", and "speculate" on a server started
+                            with --speculate K: the most draft tokens a step may accept, 0..K}
     GET  /v1/models
 
 One thread (``EngineLoop``) owns the engine and its scheduler: requests from any number of HTTP
@@ -19,6 +20,7 @@ scheduler frees its slot before the next step.
 import asyncio
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -27,6 +29,7 @@ from typing import Any, AsyncIterator
 
 from archlab.infer.engine import Engine, Request, Scheduler
 from archlab.infer.sampling import SamplingParams
+from archlab.infer.speculative import SpeculativeOptions
 
 
 class BadRequest(Exception):
@@ -155,7 +158,8 @@ def parse_completion(body: Any, model_name: str, tokenizer, eos: int | None) -> 
         raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
     params = SamplingParams(max_new_tokens=number("max_tokens", 16, int), temperature=number("temperature", 1.0, float),
                             top_k=number("top_k", 0, int), top_p=number("top_p", 1.0, float),
-                            stop_tokens=(eos,) if eos is not None else (), seed=number("seed", 0, int))
+                            stop_tokens=(eos,) if eos is not None else (), seed=number("seed", 0, int),
+                            speculate=number("speculate", None, int))
     try:
         params.check()
     except ValueError as e:
@@ -288,7 +292,8 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
         try:
             loop.submit(request)
         except ValueError as e:
-            raise BadRequest(str(e), "prompt" if "prompt" in str(e) else "max_tokens") from None
+            param = "speculate" if str(e).startswith("speculate") else "prompt" if "prompt" in str(e) else "max_tokens"
+            raise BadRequest(str(e), param) from None
         ident, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -350,14 +355,19 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
 
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 16, device: str = "auto",
-          dtype: str = "auto", model_name: str | None = None, warm_up: bool = True) -> None:
-    """Load a checkpoint and serve it until interrupted."""
+          dtype: str = "auto", model_name: str | None = None, warm_up: bool = True,
+          speculate: SpeculativeOptions | None = None) -> None:
+    """Load a checkpoint and serve it until interrupted; ``speculate``: self-speculative decoding
+    (checked against the model before the server listens)."""
     import uvicorn
 
     from archlab.infer.loading import load_for_inference
 
     model, tokenizer, eos, name = load_for_inference(ckpt, device, dtype)
-    engine = Engine(model, slots=slots)
+    engine = Engine(model, slots=slots, speculate=speculate)  # a bad --speculate fails here, before listening
+    spec = engine.speculative
+    how = f", self-speculative: {spec.draft_tokens} tokens drafted by {spec.draft_layers} layer visits" if spec else ""
+    print(f"archlab: serving {ckpt} on http://{host}:{port}/v1 ({slots} slots{how})", file=sys.stderr)
     if warm_up:
         # Short prompts for every group size that requests can arrive in; longer buckets compile
         # on first use.

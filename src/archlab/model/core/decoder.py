@@ -8,7 +8,8 @@ A *visit* is one entry of the layer schedule (the ``schedule`` slot): usually ev
 order, but a schedule may run a layer again (a loop) or leave one out. What differs between two
 runs of the same weights is keyed by visit: the KV cache entry, the residual sites ``2v`` and
 ``2v + 1``, the rows' taps and the per-run costs; parameters belong to the layer. A run may stop
-after its first visits and read out there (early exit, ``exit_after``); a schedule kind may let
+after its first visits and read out there (early exit, ``exit_after``), or stop and go on later
+(``begin``, ``advance``, ``read_out``: self-speculative decoding); a schedule kind may let
 rows skip a visit in training (layer dropout) or transform the state between visits (a loop's
 channel) through its optional hooks (``core.spec.Sequential``).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +48,20 @@ class ModelOutput:
     loss: Tensor | None = None  # training objective (NLL + auxiliary losses)
     nll: Tensor | None = None  # the readout's negative log-likelihood alone
     aux_loss: Tensor | None = None
+
+
+@dataclass
+class RunState:
+    """A run over the layers after its first ``done`` visits (``Transformer.begin``, ``advance``):
+    the residual stream's state, its width there and the states at each resize so far, which the
+    width slot's refill reads; ``rows`` and ``device`` are what the schedule's ``keep`` asks."""
+
+    state: Any  # the residual kind's state (the standard stream's: the hidden tensor [R, T, d])
+    done: int
+    width: int
+    seen: list[Tensor]
+    rows: int
+    device: torch.device
 
 
 class Block(nn.Module):
@@ -157,14 +173,29 @@ class Transformer(nn.Module):
         norm (early exit; those visits write exactly the cache entries the full run writes).
         ``on_exit(visit, hidden)``: called after every visit an exit may follow, with the
         final-normed state that exit reads out (every exit's loss in one run)."""
-        visits = self.visits
-        if exit_after is not None:
-            if exit_after not in self.exit_points:
-                raise ValueError(f"exit_after={exit_after}: an exit may follow visits {self.exit_points}")
-            visits = visits[:exit_after]
-        state = self.residual.start(x, ctx)
-        width, seen = self.base_width, []  # seen: states at each resize (the width slot's refill)
-        for visit, layer in enumerate(visits):
+        if exit_after is not None and exit_after not in self.exit_points:
+            raise ValueError(f"exit_after={exit_after}: an exit may follow visits {self.exit_points}")
+        until = len(self.visits) if exit_after is None else exit_after
+        return self.read_out(self.advance(self.begin(x, ctx), ctx, until, on_exit))
+
+    def begin(self, x: Tensor, ctx: Context) -> RunState:
+        """A run over the layers of embedded rows ``x`` that has run no visit yet."""
+        return RunState(state=self.residual.start(x, ctx), done=0, width=self.base_width, seen=[], rows=x.shape[0],
+                        device=x.device)
+
+    def advance(self, run: RunState, ctx: Context, until: int,
+                on_exit: Callable[[int, Tensor], None] | None = None) -> RunState:
+        """``run`` continued through visits ``run.done .. until - 1`` under ``ctx`` (``run`` itself
+        is left as it was). ``Transformer.run`` is ``begin``, one ``advance`` and ``read_out``; cut
+        there, a run can stop after an exit and go on later, even over more positions at once: the
+        self-speculative engine resumes its drafts' states to verify them in one pass
+        (``archlab.infer.speculative``)."""
+        if not run.done <= until <= len(self.visits):
+            raise ValueError(f"cannot advance a run after {run.done} visits to {until} of {len(self.visits)}")
+        state, width = run.state, run.width
+        seen = list(run.seen)  # states at each resize (the width slot's refill)
+        for visit in range(run.done, until):
+            layer = self.visits[visit]
             block = self.layers[layer]
             if self.between is not None and visit in self.between.before:
                 state = self.between(state, visit, self)
@@ -175,7 +206,7 @@ class Transformer(nn.Module):
             # a block again in backward, after the loop has moved on, and must see this visit.
             vctx = dataclasses.replace(ctx, visit=visit)
             site = 2 * visit
-            kept = self.visit_keep(visit, x.shape[0], x.device) if self.training and self.visit_keep else None
+            kept = self.visit_keep(visit, run.rows, run.device) if self.training and self.visit_keep else None
             if kept is None:
                 out = block.attention(self.residual.read(state, site), vctx)
                 state = self.residual.write(state, site, out)
@@ -185,7 +216,14 @@ class Transformer(nn.Module):
                 state = self._run_kept_rows(block, state, kept, vctx)
             if on_exit is not None and width == self.final_width:
                 on_exit(visit, self.norm(self.residual.final(state)))
-        return self.norm(self.residual.final(state))
+        return dataclasses.replace(run, state=state, done=until, width=width, seen=seen)
+
+    def read_out(self, run: RunState) -> Tensor:
+        """The final-normed hidden state of ``run``, which must stand at an exit point."""
+        if run.done not in self.exit_points:
+            raise ValueError(f"a run after {run.done} visits cannot read out: an exit may follow visits "
+                             f"{self.exit_points}")
+        return self.norm(self.residual.final(run.state))
 
     @staticmethod
     def _run_kept_rows(block: Block, h: Tensor, kept: tuple[Tensor, Tensor | float], ctx: Context) -> Tensor:
