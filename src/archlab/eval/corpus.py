@@ -54,7 +54,10 @@ class CorpusScore:
         return self.tokens < self.tokens_requested
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As plain JSON values (the per-batch tuples as lists, as ``--json`` prints them)."""
+        out = asdict(self)
+        out["batch_nats"], out["batch_tokens"] = list(self.batch_nats), list(self.batch_tokens)
+        return out
 
 
 @torch.no_grad()

@@ -227,9 +227,13 @@ def final_fact(data: ReportData) -> str:
 
 
 def mde_fact(data: ReportData) -> str:
-    """The smallest difference the suite's seeds can detect (unpaired, from the noise floor)."""
+    """The smallest difference the suite's seeds can detect: the paired tests' own (from each
+    variant's differences), where variants are decided paired, and the unpaired planning figure
+    from the noise floor."""
     if data.floor is None:
         return "Minimum detectable effect: not available (needs the noise floor)"
+    paired = [(x.label, x.comparison.mde) for x in data.summaries[1:]
+              if x.comparison is not None and x.comparison.method == "paired" and x.comparison.mde is not None]
     n_var = sorted({x.planned for x in data.summaries[1:]}) or [0]
     parts = []
     for nv in n_var:
@@ -237,9 +241,15 @@ def mde_fact(data: ReportData) -> str:
         if mde is not None:
             parts.append(f"{mde:.4f} ({mde / data.floor:.1f} noise floors) with {data.baseline.planned} "
                          f"baseline and {nv} variant seeds")
-    return (f"Minimum detectable effect (power {POWER:g}, two-sided alpha / {data.n_tests}, unpaired, from "
-            f"the noise floor): " + ("; ".join(parts) or "-")
-            + "; the MDE column gives each variant's, from its deciding test")
+    head = f"Minimum detectable effect (power {POWER:g}, two-sided alpha / {data.n_tests}): "
+    if paired:
+        values = [m for _, m in paired]
+        head += (f"paired, from the variants' own differences, {min(values):.4f}"
+                 + (f" to {max(values):.4f}" if len(values) > 1 else f" ({paired[0][0]})")
+                 + "; unpaired, planned from the noise floor, ")
+    else:
+        head += "unpaired, from the noise floor, "
+    return head + ("; ".join(parts) or "-") + "; the MDE column gives each variant's, from its deciding test"
 
 
 def compute_fact(data: ReportData) -> str:
