@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from archlab.argtypes import config_args, int_at_least, positive_int
-from archlab.errors import ArchlabError, UsageError, is_out_of_memory
+from archlab.errors import ArchlabError, UsageError, is_out_of_memory, unwritable_path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -321,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("archlab: interrupted; finished work and the last checkpoint are kept", file=sys.stderr)
         return 130
+    except OSError as e:
+        # One place for every write of every command: a refused path (read-only, no permission,
+        # full) is the user's to fix and needs no traceback; any other OSError keeps its own.
+        refused = unwritable_path(e)
+        if refused is None:
+            raise
+        print(f"archlab: {refused}", file=sys.stderr)
+        return refused.exit_code
     except Exception as e:
         if not is_out_of_memory(e):
             raise  # a bug: its traceback is what a report needs

@@ -28,6 +28,8 @@ from torch import Tensor
 from archlab.config import ModelConfig
 from archlab.convert.hf import UnsupportedModel, config_from_hf
 from archlab.errors import UsageError
+from archlab.io.files import naming
+from archlab.io.temporaries import temporary_path
 from archlab.model import registry
 
 
@@ -99,7 +101,7 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     from safetensors.torch import save_file
 
     from archlab.data.tokenizer import EOS_TOKEN, load_tokenizer
-    from archlab.io.checkpoint import load_model, model_tensors
+    from archlab.io.checkpoint import load_model, model_tensors, remove_stale_temporaries
 
     out = Path(out)
     if out.exists():
@@ -109,19 +111,26 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     eos = load_tokenizer(tok_file).token_to_id(EOS_TOKEN) if tok_file.is_file() else None
     hf = hf_config_of(run_cfg.model, eos)  # refuses before anything is written
     tensors = to_hf_state_dict(run_cfg.model, model_tensors(model))
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Built under the shared temporary naming (not a fixed ".NAME.partial"): two exports to one
+    # name cannot delete each other's work, a killed export's leftover is removed by the next
+    # writer in the folder, and a failed write is reported as the file of --out it was for.
+    remove_stale_temporaries(out.parent)
+    tmp = temporary_path(out, "tmp")
     tmp.mkdir(parents=True)
     try:
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        save_file({k: t.float() for k, t in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "source": f"archlab checkpoint {path}"})
+        with naming(tmp / "config.json"):
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        with naming(tmp / "model.safetensors"):
+            save_file({k: t.float() for k, t in tensors.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt", "source": f"archlab checkpoint {path}"})
         if tok_file.is_file():
-            shutil.copyfile(tok_file, tmp / "tokenizer.json")
+            with naming(tmp / "tokenizer.json"):
+                shutil.copyfile(tok_file, tmp / "tokenizer.json")
             special = {"eos_token": EOS_TOKEN} if eos is not None else {}
-            (tmp / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": run_cfg.model.max_seq_len,
-                 **special}, indent=2) + "\n")
+            with naming(tmp / "tokenizer_config.json"):
+                (tmp / "tokenizer_config.json").write_text(json.dumps(
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": run_cfg.model.max_seq_len,
+                     **special}, indent=2) + "\n")
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

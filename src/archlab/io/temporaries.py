@@ -7,8 +7,8 @@ writer removes those whose process is gone; host and pid in the name tell which 
 another host's (a shared file system) are left alone.
 
 Checkpoints (``archlab.io.checkpoint``) and prepared data (``archlab.data.prepare``) both name
-their temporaries this way, so either cleanup reads the other's names the same way. Free of
-torch.
+their temporaries this way, so either cleanup reads the other's names the same way, and an
+error while writing one names the path it stands for (``destination``). Free of torch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 TEMPORARY = re.compile(
     r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
 
 
 def host() -> str:
@@ -46,3 +47,13 @@ def process_exists(pid: int) -> bool:
     except OSError:  # PermissionError: it exists, under another user
         return True
     return True
+
+
+def destination(path: str | Path) -> Path:
+    """The path a temporary stands for, so that an error names what the user asked to write:
+    ``run/ckpt/.step_0000006.tmp-HOST-PID-XXXXXXXX/model.safetensors`` is
+    ``run/ckpt/step_0000006/model.safetensors``. Every component is read, since a failing file
+    is often inside a directory being built; a path without temporaries comes back unchanged."""
+    parts = [m["name"] if (m := TEMPORARY.match(part)) else part
+             for part in Path(path).parts]
+    return Path(*parts) if parts else Path(path)

@@ -39,6 +39,8 @@ from archlab.lab.report.text import (COMPUTE_NOTE, COSTS_NOTE, DOWNSTREAM_NOTE, 
 from archlab.lab.report.trend import markdown as trend_markdown
 from archlab.lab.report.trend import trend, trend_table
 from archlab.errors import ArchlabError
+from archlab.io.files import naming
+from archlab.io.temporaries import temporary_path
 from archlab.lab.store import DB_NAME, ResultStore
 
 __all__ = [
@@ -102,10 +104,16 @@ figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555;font-size:14px}""
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write through a temporary file and a rename: compares sharing a suite directory may write
-    its report at the same moment, and a reader must see one whole report, not two interleaved."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    its report at the same moment, and a reader must see one whole report, not two interleaved.
+    A failed write leaves no temporary behind and its error names ``path``."""
+    tmp = temporary_path(path, "tmp")
+    try:
+        with naming(tmp):
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _tables(data: ReportData) -> list[tuple[str, list[str], list[list[str]]]]:

@@ -27,7 +27,9 @@ without a live claim is a run that was *interrupted* (``display_status``).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import sqlite3
 import threading
@@ -59,6 +61,20 @@ FINAL_WEIGHTS = "final weights"
 LOCK_TIMEOUT_S = 60.0  # how long an open or a write waits for another process's lock
 
 
+def _refuse_unwritable_folder(folder: Path) -> None:
+    """SQLite in WAL mode cannot open a database it cannot create ``-shm`` / ``-wal`` beside: on a
+    read-only file system or a folder without write permission the open fails as if the file
+    were not a database. Say what is true instead (the command line prints it as one line)."""
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return
+    if read_only:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(folder))
+    if not os.access(folder, os.W_OK):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+
+
 def _opt(x: float | None) -> float | None:
     """NaN (an unmeasurable bandwidth on CPU) and None are stored as NULL."""
     return None if x is None or x != x else float(x)
@@ -84,6 +100,7 @@ class ResultStore:
             self._open_with_retries()
         except sqlite3.DatabaseError as e:
             self._conn.close()
+            _refuse_unwritable_folder(self.path.parent)
             raise ArchlabError(f"{self.path} is not a readable archlab results database ({e})") from None
         except BaseException:
             self._conn.close()
