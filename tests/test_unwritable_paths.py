@@ -225,7 +225,8 @@ def test_a_temporary_is_named_as_the_path_it_stands_for(tmp_path):
 ])
 def test_a_refused_path_is_one_line_naming_the_destination(tmp_path, code, cls, words):
     out = tmp_path / "data"
-    e = unwritable_path(OSError(code, os.strerror(code), str(temporary_path(out, "tmp") / "train_000.bin")))
+    e = unwritable_path(OSError(code, os.strerror(code), str(temporary_path(out, "tmp") / "train_000.bin")),
+                        destination)
     assert type(e) is cls and e.exit_code == 1
     message = str(e)
     assert words in message and str(out / "train_000.bin") in message and ".tmp-" not in message

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from archlab.argtypes import config_args, int_at_least, positive_int
 from archlab.errors import ArchlabError, UsageError, is_out_of_memory, unwritable_path
+from archlab.io.temporaries import destination
 
 
 class _Parser(argparse.ArgumentParser):
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         # One place for every write of every command: a refused path (read-only, no permission,
         # full) is the user's to fix and needs no traceback; any other OSError keeps its own.
-        refused = unwritable_path(e)
+        refused = unwritable_path(e, destination)
         if refused is None:
             raise
         print(f"archlab: {refused}", file=sys.stderr)

@@ -9,6 +9,7 @@ hidden.
 
 import errno
 import os
+from collections.abc import Callable
 
 
 class ArchlabError(Exception):
@@ -83,18 +84,18 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _NEEDS_A_PATH = (errno.EACCES, errno.EPERM)
 
 
-def unwritable_path(e: OSError) -> Unwritable | None:
+def unwritable_path(e: OSError, destination: Callable[[str], object] = str) -> Unwritable | None:
     """``e`` as one line naming the path and the reason, or None when ``e`` is not a file system
     refusing a path (then it is a bug or an unexpected condition, and its traceback is kept).
 
-    A temporary in the path (``.NAME.tmp-HOST-PID-XXXXXXXX``, see ``archlab.io.temporaries``) is
-    named as the destination it stands for: the user asked for ``run/ckpt/step_0000006``, not
-    for the hidden directory it is built in."""
+    ``destination`` maps the failing path to the one to name: the command line passes
+    ``archlab.io.temporaries.destination``, so that a temporary (``.NAME.tmp-HOST-PID-XXXXXXXX``)
+    is named as what it stands for: the user asked for ``run/ckpt/step_0000006``, not for the
+    hidden directory it is built in. (A parameter, since this module imports nothing of
+    archlab: every package imports it.)"""
     template = _REFUSALS.get(e.errno)
     if template is None or (e.filename is None and e.errno in _NEEDS_A_PATH):
         return None
-    from archlab.io.temporaries import destination  # here: this module imports nothing of archlab
-
     if e.filename is None or isinstance(e.filename, int):  # a write or close names no file
         path = "a file the system did not name"
     else:
