@@ -254,20 +254,59 @@ def parse_override(item: str) -> dict[str, Any]:
     return tree
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config error: config file {str(p)!r} does not exist")
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first_line: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping. PyYAML keeps the last
+    value silently, so ``train: {lr: 1e-3, lr: 2e-3}`` would train at 2e-3 while the file seems to
+    say both. Keys a merge (``<<: *anchor``) brings in may be overridden: that is what merging is for."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}  # key -> its line (0-based)
+        for key_node, _ in node.value:  # before the base class flattens merges into this list
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if first is not None:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1, first + 1)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(text: str, origin: str, what: str = "config") -> Any:
+    """YAML ``text`` (from ``origin``, a file name for messages) parsed with ``UniqueKeyLoader``;
+    bad YAML or a duplicated key is one ``{what} error`` line naming the origin and the line."""
     try:
-        data = yaml.safe_load(p.read_text())
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ConfigError(f"{what} error: {origin} line {e.line}: key {e.key!r} is given twice in one mapping "
+                          f"(first on line {e.first_line}); YAML would keep only the last value: remove "
+                          "one") from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
-        raise ConfigError(f"config error: {p} is not valid YAML{where}") from None
+        raise ConfigError(f"{what} error: {origin} is not valid YAML{where}") from None
+
+
+def load_yaml(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """The mapping a YAML file holds (``{}`` for an empty file); ``what`` names the file's kind in
+    errors (``config``, ``suite``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} error: {what} file {str(p)!r} does not exist")
+    data = load_yaml_text(p.read_text(), str(p), what)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config error: {p} must hold a mapping at the top level")
+        raise ConfigError(f"{what} error: {p} must hold a mapping at the top level")
     return data
 
 

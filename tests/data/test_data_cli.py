@@ -57,3 +57,37 @@ def test_user_errors_are_data_errors(tmp_path: Path) -> None:
         _run(["data", "prepare", "--source", str(tmp_path / "nothing.jsonl"), "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit):  # argparse rejects an unknown format itself
         _run(["data", "prepare", "--format", "csv"])
+
+
+def test_an_interrupted_prepare_says_nothing_was_written(real_docs: Docs, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """Ctrl-C while prepare replaces a directory: one line saying the output is as it was (not the
+    training line about finished work and checkpoints), exit 130, no temporary left beside it."""
+    import importlib
+    import os
+    import signal
+    import time
+
+    prepare_mod = importlib.import_module("archlab.data.prepare")  # the package exports a function of that name
+    from tests.data.data_testutil import snapshot
+    from tests.helpers import run_cli
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"name": n, "doc": t}) + "\n" for n, t in real_docs))
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--source", str(src), "--field", "doc", "--out", str(out), "--vocab-size", "300",
+            "--val-frac", "0.2"]
+    assert _run(argv) == 0
+    before = snapshot(out)
+
+    def interrupted(tmp: Path, dest: Path) -> None:  # the whole build done, about to be installed
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)  # the signal's KeyboardInterrupt ends this at once
+
+    monkeypatch.setattr(prepare_mod, "_install", interrupted)
+    capsys.readouterr()
+    code, stdout, err = run_cli(capsys, *argv, "--overwrite", "--seed", "3")
+    assert code == 130 and stdout == "" and len(err.strip().splitlines()) == 1, err  # (the bar's blank line aside)
+    assert f"archlab: interrupted; nothing was written: {out} is as it was before" in err
+    assert "checkpoint" not in err and "finished work" not in err
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"]

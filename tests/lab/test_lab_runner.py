@@ -369,3 +369,50 @@ def test_code_revision_is_named_by_the_environment_where_git_cannot_tell(monkeyp
     assert code_revision() == "abc1234+uncommitted"
     monkeypatch.delenv("ARCHLAB_CODE_REVISION")
     assert code_revision() != "abc1234+uncommitted"
+
+
+# `archlab compare --jobs 2` through the main CLI, its trainer and cost model replaced by the fakes;
+# both workers hang after their step-20 checkpoints, and the test sends the compare SIGTERM there.
+SIGTERM_CHILD = """
+import sys
+import archlab.lab.cli as lab_cli
+from archlab.cli import main
+from tests.lab.lab_fakes import FakeTrainer, fake_costs
+suite_file, out, marker = sys.argv[1:4]
+fake, real = FakeTrainer(hang_at=("", 20), hang_marker=__import__("pathlib").Path(marker)), lab_cli.run_compare
+lab_cli.run_compare = lambda args: real(args, train_fn=fake, costs_fn=fake_costs)
+sys.exit(main(["compare", suite_file, "--out", out, "--jobs", "2"]))
+"""
+
+
+def test_sigterm_stops_a_parallel_compare_cleanly_and_its_runs_resume(tmp_path: Path) -> None:
+    """SIGTERM unwinds like Ctrl-C: the workers are stopped, the process exits with the one line
+    an interrupt gets (no traceback, no multiprocessing warning of leaked semaphores, which a
+    process killed in the signal leaves to its resource tracker), and the next compare resumes."""
+    from tests.lab.test_lab_claims import gone, wait_for
+
+    suite_file, out, marker = write_suite(tmp_path), tmp_path / "out", tmp_path / "hanging"
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, str(suite_file), str(out), str(marker)],
+                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        wait_for(lambda: marker.exists() and len(marker.read_text().splitlines()) == 2, "two hanging workers", proc)
+        hanging = dict(line.split() for line in marker.read_text().splitlines())
+        workers = [int(pid) for pid in hanging.values()]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in [proc.pid, *workers]:  # whatever a failure left behind
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "leaked semaphore" not in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "archlab: interrupted; finished work and the last checkpoint are kept"
+    assert all(gone(pid) for pid in workers)
+
+    fake = FakeTrainer()
+    plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)
+    with ResultStore(out / DB_NAME) as store:
+        outcome = run_suite(plan, store, list(plan.runs), train_fn=fake, console=quiet())
+        assert outcome.finished == 7 and store.claims() == {}
+    assert {name: step for name, step in fake.calls if name in hanging} == {name: 20 for name in hanging}

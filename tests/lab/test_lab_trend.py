@@ -149,3 +149,16 @@ def test_trend_across_the_budgets_of_one_suite_against_a_hand_computation(tmp_pa
     cli = subprocess.run([sys.executable, "-m", "archlab.cli", "trend", str(plan.out_dir), "--md"],
                          capture_output=True, text=True)
     assert cli.returncode == 0 and "| lower-init |" in cli.stdout and "fake @123k tokens" in cli.stdout
+
+
+def test_the_same_suite_directory_twice_is_refused(two_sizes: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    """Its points against themselves would show a change of exactly zero, which reads as a result."""
+    from tests.helpers import run_cli
+
+    small, large = two_sizes
+    link = tmp_path / "again"
+    link.symlink_to(small)
+    for dirs in ([small, small], [small, large, link]):
+        code, out, err = run_cli(capsys, "trend", *map(str, dirs))
+        assert code == 2 and out == "" and err.count("\n") == 1, (code, out, err)
+        assert f"{dirs[-1]} is given twice" in err and "different suite directories" in err

@@ -84,12 +84,34 @@ def test_a_corrupt_metrics_line_before_the_last_is_one_error(tiny_run, stdlib_da
     assert log.read_text() == "\n".join(lines) + "\n"  # left as it was, for the user to repair
 
 
-def test_resume_with_a_different_config_is_refused(stdlib_data, tmp_path):
-    train(small_config(stdlib_data, "train.steps=2"), tmp_path / "r", show_progress=False)
-    before = sorted(p.name for p in (tmp_path / "r" / "ckpt").iterdir())
-    with pytest.raises(CheckpointError, match="different config"):
-        train(small_config(stdlib_data, "train.steps=2", "train.lr=0.01"), tmp_path / "r", show_progress=False)
-    assert sorted(p.name for p in (tmp_path / "r" / "ckpt").iterdir()) == before
+def test_resume_with_a_different_config_names_the_keys_and_advice_that_works(stdlib_data, tmp_path, capsys):
+    """The refusal lists the keys that differ (a few, then how many more) and suggests only what
+    works: another --out, or the run's own config; never --resume never, which a directory
+    holding a checkpoint refuses too."""
+    from tests.helpers import run_cli
+
+    out = tmp_path / "r"
+    train(small_config(stdlib_data, "train.steps=2"), out, show_progress=False)  # finished
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(CheckpointError) as e:
+        train(small_config(stdlib_data, "train.steps=2", "train.lr=0.01"), out, show_progress=False)
+    message = str(e.value)
+    assert "\n" not in message and "--resume never" not in message
+    assert f"{out} holds a run with another config (train.lr: 0.003 -> 0.01); to train this config, train it " \
+           f"into another --out; to continue that run: archlab train --config {out / 'config.yaml'} --out {out}" \
+           == message
+    many = ("train.lr=0.01", "train.beta1=0.8", "train.beta2=0.9", "train.weight_decay=0.2", "model.d_model=64")
+    with pytest.raises(CheckpointError, match=r"\(model.d_model: 32 -> 64, train.lr: 0.003 -> 0.01, "
+                                              r"train.weight_decay: 0.1 -> 0.2 and 2 more\)"):
+        train(small_config(stdlib_data, "train.steps=2", *many), out, show_progress=False)
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == files
+
+    code, stdout, err = run_cli(capsys, "train", "--config", str(out / "config.yaml"), "--out", str(out))
+    assert code == 0 and f"resuming from step 2 of {out}" in err and "done: 2 steps" in stdout, err
+    code, stdout, err = run_cli(capsys, "train", "--config", str(out / "config.yaml"), "--out", str(out),
+                                "--resume", "never")
+    assert code == 1 and err.count("\n") == 1 and "already holds a checkpoint" in err
+    assert "another --out" in err and "--resume never" not in err
 
 
 def test_tiny_preset_learns_well_below_unigram_entropy(tmp_path):
@@ -156,6 +178,24 @@ def test_the_default_warmup_is_a_fraction_of_the_run(steps):
         make_config(None, overrides=["train.warmup_steps=preset"])
     with pytest.raises(ConfigError, match=r"train.warmup_frac: must be in \[0, 1\)"):
         make_config("tiny", overrides=["train.warmup_frac=1"])
+
+
+def test_a_preset_run_shorter_than_its_former_warmup_is_accepted(stdlib_data, tmp_path, capsys):
+    """`--set train.steps=2` on a preset trains (the warm-up is a fraction of the run); a fixed
+    warm-up given longer than the run is still one line, exit 2, nothing written."""
+    from tests.conftest import SMALL
+    from tests.helpers import run_cli
+
+    code, out, err = run_cli(capsys, "config", "--preset", "20m", "--set", "train.steps=2")
+    assert code == 0 and "steps: 2" in out and "warmup_steps: null" in out, err
+    sets = [a for o in SMALL if not o.startswith("train.warmup_steps") for a in ("--set", o)]
+    sets += ["--set", f"data.path={stdlib_data}", "--set", "train.steps=2"]
+    code, out, err = run_cli(capsys, "train", "--preset", "tiny", *sets, "--out", str(tmp_path / "ok"))
+    assert code == 0 and "done: 2 steps" in out, err
+    code, out, err = run_cli(capsys, "train", "--preset", "tiny", *sets, "--set", "train.warmup_steps=5",
+                             "--out", str(tmp_path / "refused"))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "train.warmup_steps: must be in 0..steps=2" in err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_the_final_loss_is_the_saved_final_weights_on_the_final_sample(stdlib_data, tmp_path):

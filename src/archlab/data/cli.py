@@ -37,6 +37,24 @@ from archlab.errors import DataError
 DEFAULT_OUT = "data/stdlib"
 
 
+class PrepareInterrupted(DataError):
+    """Ctrl-C (SIGINT) during prepare. The build is discarded (``prepare`` removes its temporary
+    directory and installs nothing), so unlike an interrupted training run nothing is kept."""
+
+    exit_code = 130  # 128 + SIGINT, as the shell reports a process Ctrl-C ended
+
+
+@contextlib.contextmanager
+def _interrupt_keeps_nothing(out: Path, cached: str = "") -> Iterator[None]:
+    """Say what an interrupted prepare leaves: ``out`` as it was (the main CLI's generic line
+    speaks of finished work and checkpoints, which prepare does not have). ``cached``: what the
+    recipe cache keeps."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise PrepareInterrupted(f"interrupted; nothing was written: {out} is as it was before{cached}") from None
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``data`` command and its subcommands to the main parser."""
     data = subparsers.add_parser("data", help="prepare and inspect tokenized corpora",
@@ -137,7 +155,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.cache is not None or args.any_version:
         raise DataError("--cache and --any-version apply to --recipe only")
     out = args.out or DEFAULT_OUT
-    with _progress(stderr) as report:
+    with _interrupt_keeps_nothing(Path(out)), _progress(stderr) as report:
         manifest = prepare(args.source or "stdlib", out, vocab_size=args.vocab_size, fmt=args.fmt,
                            field=args.field, val_frac=args.val_frac, max_bytes=max_bytes,
                            seed=args.seed, shard_tokens=args.shard_tokens, split=args.split,
@@ -163,12 +181,13 @@ def _prepare_recipe(args: argparse.Namespace, max_bytes: int | None, stderr: Con
     out = Path(args.out or f"data/{args.recipe}")
     check_destination(out, args.overwrite)  # before any download
     cache = Path(args.cache).expanduser() if args.cache else default_cache_dir()
-    source = open_recipe(args.recipe, cache_dir=cache, max_bytes=max_bytes,
-                         any_version=args.any_version, progress=lambda msg: stderr.print(msg))
-    with _progress(stderr) as report:
-        manifest = prepare(source, out, vocab_size=args.vocab_size, val_frac=args.val_frac,
-                           seed=args.seed, shard_tokens=args.shard_tokens,
-                           overwrite=args.overwrite, progress=report, tokenizer=args.tokenizer)
+    with _interrupt_keeps_nothing(out, f"; finished downloads stay in the cache {cache} for the next try"):
+        source = open_recipe(args.recipe, cache_dir=cache, max_bytes=max_bytes,
+                             any_version=args.any_version, progress=lambda msg: stderr.print(msg))
+        with _progress(stderr) as report:
+            manifest = prepare(source, out, vocab_size=args.vocab_size, val_frac=args.val_frac,
+                               seed=args.seed, shard_tokens=args.shard_tokens,
+                               overwrite=args.overwrite, progress=report, tokenizer=args.tokenizer)
     _warn_split(manifest)
     console = Console()
     print_summary(console, out, manifest)

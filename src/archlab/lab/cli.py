@@ -8,8 +8,12 @@ then trains what is missing and writes the report. A bad suite file or variant k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -105,6 +109,32 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     t.add_argument("dirs", type=Path, nargs="+", metavar="DIR", help="finished suite directories (hold results.sqlite)")
     t.add_argument("--md", action="store_true", help="print a Markdown table instead of the terminal table")
     t.set_defaults(func=run_trend)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to ``compare``, raised where Ctrl-C raises KeyboardInterrupt (``sigterm_interrupts``)."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """For the block, SIGTERM stops this process the way Ctrl-C does: an exception in the main
+    thread, so that everything unwinds (the ``--jobs`` workers stopped, claims released, the
+    database closed). Killed in the signal instead, the process would leave multiprocessing's
+    semaphores to its resource tracker, which then warns of "leaked semaphore objects". What is
+    kept is what Ctrl-C keeps: finished runs are recorded, the others resume from their
+    checkpoints. Outside the main thread (no signal can be handled there) the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:  # noqa: ARG001
+        raise Terminated(f"stopped by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _start_over(out: Path, force: bool, console: Console) -> None:
@@ -225,7 +255,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
                       "on one host", highlight=False)
     # Shared: other compares may work on this suite directory too (run claims keep them apart);
     # --no-resume moves results aside, so it runs alone.
-    with suite_lock(plan.out_dir, exclusive=args.no_resume):
+    with sigterm_interrupts(), suite_lock(plan.out_dir, exclusive=args.no_resume):
         if args.no_resume:
             _start_over(plan.out_dir, args.force, console)
         with ResultStore(plan.out_dir / DB_NAME) as store:
@@ -280,8 +310,9 @@ def run_trend(args: argparse.Namespace) -> int:
     """The ``trend`` command: across suite directories, and across the budgets of each."""
     from rich.console import Console
 
-    from archlab.lab.report.trend import load_suite_dir, markdown, trend, trend_table
+    from archlab.lab.report.trend import check_distinct, load_suite_dir, markdown, trend, trend_table
 
+    check_distinct(args.dirs)
     points = [p for d in args.dirs for p in load_suite_dir(d)]
     if len(points) < 2:
         raise UsageError("trend needs at least two points: two suite directories (smallest model first), "

@@ -22,6 +22,8 @@ from archlab.lab.display import is_done
 from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices
 from archlab.lab.store import ResultStore
 
+_STOP_WAIT_S = 10.0  # how long a worker sent SIGTERM may take to end before it is killed
+
 
 class PoolLauncher:
     """``--jobs N``: a pool of N spawned worker processes, reused from run to run."""
@@ -51,8 +53,25 @@ class PoolLauncher:
     def __enter__(self) -> "PoolLauncher":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.pool.shutdown(wait=True)
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            self._stop_workers()
+        self.pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+
+    def _stop_workers(self) -> None:
+        """Leaving on an error or a signal (Ctrl-C, SIGTERM): end the workers now rather than wait
+        for their runs to finish, which may take hours. A run stopped this way is left as a kill
+        leaves it: its checkpoints intact and its claim taken over by the next compare."""
+        # ProcessPoolExecutor names its workers only privately before Python 3.14's terminate_workers
+        workers = list((getattr(self.pool, "_processes", None) or {}).values())
+        for proc in workers:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in workers:
+            proc.join(timeout=_STOP_WAIT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 class GpuLauncher:
@@ -152,9 +171,17 @@ class GpuLauncher:
     def __enter__(self) -> "GpuLauncher":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        for _gpus, proc, _files in list(self.held.values()):  # like a pool's shutdown(wait=True)
-            if proc is not None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        procs = [proc for _gpus, proc, _files in self.held.values() if proc is not None]
+        if exc_type is not None:  # an error or a signal: stop the runs now, as PoolLauncher does
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()  # the worker's torchrun child dies with it (die_with_parent)
+        for proc in procs:  # like a pool's shutdown(wait=True)
+            try:
+                proc.wait(timeout=None if exc_type is None else _STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
                 proc.wait()
         shutil.rmtree(self.work, ignore_errors=True)
 

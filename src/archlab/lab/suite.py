@@ -93,9 +93,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-import yaml
-
-from archlab.config import PRESETS, load_yaml, parse_override
+from archlab.config import PRESETS, load_yaml, load_yaml_text, parse_override
 from archlab.errors import ArchlabError, ConfigError
 from archlab.typed import Reporter, build, merge
 
@@ -233,13 +231,14 @@ def load_suite(name_or_path: str | Path) -> Suite:
     path = Path(text)
     known = builtin_suites()
     if path.suffix in (".yaml", ".yml") or "/" in text or (text not in known and path.is_file()):
-        return parse_suite(load_yaml(path), origin=str(path), default_name=path.stem,
+        return parse_suite(load_yaml(path, "suite"), origin=str(path), default_name=path.stem,
                            base_dir=path.resolve().parent)
     if text not in known:
         raise ConfigError(f"suite error: unknown suite {text!r}; built-in: {', '.join(known)} "
                           "(or give a path to a .yaml file)")
     resource = importlib.resources.files("archlab") / "suites" / f"{text}.yaml"
-    data = yaml.safe_load(resource.read_text())
+    # the files' loader (a key given twice is an error) for the built-in suites too
+    data = load_yaml_text(resource.read_text(), f"built-in suite {text}", "suite")
     return parse_suite(data, origin=f"built-in suite {text}", default_name=text)
 
 

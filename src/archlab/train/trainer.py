@@ -27,6 +27,7 @@ from archlab.model import build_model
 from archlab.model.accounting import mfu_flops_per_token, param_counts
 from archlab.io import checkpoint as ckpt_io
 from archlab.io import dcp as dcp_io
+from archlab.io import run_dir
 from archlab.train import distributed
 from archlab.train.cuda_graph import GraphedStep
 from archlab.io.device import device_name, peak_flops, resolve_device
@@ -210,13 +211,19 @@ class Run:
         if self.device.type == "cuda":
             otensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "step": step,
-                 "optimizer": ometa, "data": {"path": self.cfg.data.path, "seed": self.cfg.data.seed}}
+                 "optimizer": ometa, "data": self._data_state()}
         root = self.out / "ckpt"
         name = f"step_{step:07d}"
         ckpt_io.write_checkpoint(root / name, {"model": ckpt_io.model_tensors(self.model), "optim": otensors}, state,
                                  {"tokenizer.json": self.data.tokenizer_path})
         ckpt_io.atomic_write_text(root / "latest", name + "\n")
         self._prune(root, name)
+
+    def _data_state(self) -> dict[str, Any]:
+        """What a checkpoint records of its data: the path and seed, and the fingerprint a resume
+        checks (``archlab.io.run_dir``), which binds the run to the tokens it was trained on."""
+        return {"path": self.cfg.data.path, "seed": self.cfg.data.seed,
+                "fingerprint": run_dir.data_fingerprint(self.data.manifest)}
 
     def _prune(self, root: Path, name: str) -> None:
         kept = sorted(p for p in root.glob("step_*") if p.is_dir())
@@ -233,7 +240,7 @@ class Run:
         root, name = self.out / "ckpt", f"step_{step:07d}"
         tmp_name = d.broadcast_text(dcp_io.pick_temporary(root / name) if d.is_main else "")
         state = {"config": self.cfg.to_dict(), "config_hash": self.cfg.hash(), "step": step,
-                 "data": {"path": self.cfg.data.path, "seed": self.cfg.data.seed}}
+                 "data": self._data_state()}
         dcp_io.save(root / name, self.model, self.opt, state, {"tokenizer.json": self.data.tokenizer_path},
                     rank=d.rank, world_size=d.world_size, tmp_name=tmp_name, barrier=d.barrier,
                     full_model=step == self.cfg.train.steps)
@@ -251,9 +258,12 @@ class Run:
             return False
         state = ckpt_io.read_state(ck)
         if state.get("config_hash") != self.cfg.hash():
-            raise CheckpointError(f"{self.out} holds a run with a different config "
-                                  f"(hash {state.get('config_hash')} vs {self.cfg.hash()}); "
-                                  "use another --out or --resume never")
+            raise CheckpointError(self._config_refusal(state))
+        # A checkpoint written before runs recorded their data has no fingerprint: it resumes as
+        # it always did (nothing to compare with).
+        run_dir.check_same_data(state.get("data", {}).get("fingerprint"),
+                                run_dir.data_fingerprint(self.data.manifest), run=self.out, ckpt=ck,
+                                data_path=self.cfg.data.path)
         if dcp_io.is_sharded(state):  # any number of processes, this one included
             otensors = dcp_io.load(ck, state, self.model, self.opt, rank=self.dist.rank if self.dist else 0)
         elif self.dist is not None:  # a one-process checkpoint resumed by several processes
@@ -270,6 +280,17 @@ class Run:
             torch.cuda.set_rng_state(otensors["rng.cuda"], self.device)
         self.step = int(state["step"])
         return True
+
+    def _config_refusal(self, state: dict[str, Any]) -> str:
+        """Why a checkpoint of another config is not resumed: the keys that differ, and what to do
+        instead (never ``--resume never``: a directory holding a checkpoint refuses that too)."""
+        changes = run_dir.config_changes(state.get("config") or {}, self.cfg.to_dict())
+        what = (run_dir.describe_changes(changes) if changes else  # every key equal: hashed another way
+                f"hash {state.get('config_hash')} vs {self.cfg.hash()}, computed by another archlab version")
+        own = self.out / "config.yaml"
+        keep = f"; to continue that run: archlab train --config {own} --out {self.out}" if own.is_file() else ""
+        return (f"{self.out} holds a run with another config ({what}); to train this config, train it "
+                f"into another --out{keep}")
 
 
 def _to_stderr(message: str) -> None:
@@ -384,8 +405,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
     env = distributed.setup(cfg.train)  # checks the config against the world size first
     try:
         run = Run(cfg, out, env)  # validates data and device before anything is written
-        return _train(run, resume=resume, progress=progress, stop_after_steps=stop_after_steps,
-                      show_progress=show_progress, notify=notify)
+        # One writer per run directory (archlab.io.run_dir), claimed before its checkpoints are
+        # read; under torchrun the run's rank 0 claims it for all its ranks.
+        with run_dir.claim_run_dir(out, notify) if run.is_main else nullcontext():
+            return _train(run, resume=resume, progress=progress, stop_after_steps=stop_after_steps,
+                          show_progress=show_progress, notify=notify)
     except BaseException as e:
         if env is None:
             raise

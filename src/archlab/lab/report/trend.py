@@ -86,6 +86,19 @@ def _point(data: ReportData, label: str) -> SizePoint:
                      diffs=_differences(data, label), tokens=data.budget, ci=ci)
 
 
+def check_distinct(dirs: list[Path]) -> None:
+    """Refuse a suite directory given twice (also through another spelling or a symlink): its
+    points against themselves would show a change of exactly zero, which reads as a result."""
+    seen: dict[Path, Path] = {}
+    for d in dirs:
+        key = Path(d).resolve()
+        if key in seen:
+            same = "twice" if str(seen[key]) == str(d) else f"twice ({seen[key]} and {d} are the same directory)"
+            raise UsageError(f"trend: {d} is given {same}; a trend compares different suite directories "
+                             "(smallest model first), or the token budgets of one suite given once")
+        seen[key] = Path(d)
+
+
 def load_suite_dir(path: Path) -> list[ReportData]:
     """A suite directory's points: one per token budget, shortest first."""
     db = Path(path) / DB_NAME

@@ -28,16 +28,15 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from archlab.errors import ConfigError
+# Process identities live in ``io`` (the trainer claims its run directory with them and must not
+# import the lab); re-exported here, where the lab's claims have always imported them from.
+from archlab.io.owner import Owner, process_started
 
 HEARTBEAT_S = 30.0  # how often a claim holder refreshes its claims
 STALE_AFTER_S = 300.0  # a claim from a process that cannot be checked is gone after this silence
@@ -74,80 +73,11 @@ def lease_s() -> float:
     return lease
 
 
-@dataclass(frozen=True)
-class Owner:
-    """A process, as a claim records it."""
-
-    pid: int
-    host: str  # socket.gethostname()
-    boot: str  # Linux: "<boot id>/<pid namespace>", where ``pid`` is meaningful; "" elsewhere
-    started: str  # the process's start time as this host reports it ("" when it cannot tell)
-
-    @classmethod
-    def current(cls) -> "Owner":
-        return _owner(os.getpid())  # keyed by pid: a forked child is another owner
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}"
-
-
-@lru_cache(maxsize=8)
-def _owner(pid: int) -> Owner:
-    return Owner(pid=pid, host=socket.gethostname(), boot=_boot(), started=process_started(pid) or "")
-
-
-@lru_cache(maxsize=1)
-def _boot() -> str:
-    """This kernel boot and pid namespace: two processes with equal values see the same pids."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-        return f"{boot_id}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
-
-
-def process_started(pid: int) -> str | None:
-    """When process ``pid`` started, as an opaque string ("" when this system cannot tell), or
-    None when no (running) process has that pid. Compared with the value recorded in a claim, it
-    tells the claim's process from a later one that reused the pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        stat = ""
-    if stat:
-        # Fields after the command name (which may hold spaces and parentheses): state is the
-        # 3rd field of the line, starttime (clock ticks since boot) the 22nd.
-        fields = stat[stat.rindex(")") + 2:].split()
-        return None if fields[0] in ("Z", "X") else fields[19]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # another user's process: it exists
-    try:  # no /proc (macOS, BSD): ps reports the start time
-        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True,
-                             timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    if out.returncode != 0 and not out.stdout.strip():
-        return None
-    return out.stdout.strip()
-
-
 def holder_alive(holder: Owner, heartbeat_at: float, *, me: Owner | None = None,
                  now: float | None = None) -> bool:
     """Whether the process that holds a claim still exists (see the module docstring)."""
-    me = me or Owner.current()
-    if holder.host == me.host and holder.boot == me.boot:
-        started = process_started(holder.pid)
-        if started is None:
-            return False
-        return not (holder.started and started and started != holder.started)
+    if holder.checkable(me):
+        return holder.exists()
     return (now if now is not None else time.time()) - heartbeat_at < lease_s()
 
 
