@@ -33,12 +33,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(engine: Engine, tok, eos: int | None) -> Iterator[tuple[EngineLoop, int]]:
-    """The real app on uvicorn in a thread, on a free port: (the engine loop, the port)."""
+def running_server(engine: Engine, tok, eos: int | None, **app_options) -> Iterator[tuple[EngineLoop, int]]:
+    """The real app on uvicorn in a thread, on a free port: (the engine loop, the port);
+    ``app_options``: ``create_app``'s (``limits``)."""
     loop = EngineLoop(engine).start()
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "tiny", eos), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "tiny", eos, **app_options), host="127.0.0.1",
+                                           port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

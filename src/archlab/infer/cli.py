@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from archlab.argtypes import config_args, int_at_least, non_negative_float, non_negative_int, positive_int, unit_float
@@ -65,11 +66,25 @@ def speculative_options(args):
     return SpeculativeOptions(draft_tokens=args.speculate, draft_layers=args.draft_layers)
 
 
+def server_limits(args):
+    """``--api-key`` (else the environment's ``ARCHLAB_API_KEY``) and the bounds on each
+    request's work, as the server's ``ServerLimits``; an empty key is refused in one line."""
+    from archlab.infer.server_limits import API_KEY_ENV, ServerLimits
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    limits = ServerLimits(api_key=api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                          request_timeout=args.request_timeout or None)
+    limits.check()
+    return limits
+
+
 def cmd_serve(args) -> int:
+    limits = server_limits(args)  # before torch is imported: a bad key is reported at once
     from archlab.infer.server import serve
 
     serve(args.ckpt, host=args.host, port=args.port, slots=args.slots, device=args.device, dtype=args.dtype,
-          model_name=args.model_name, warm_up=not args.no_warm_up, speculate=speculative_options(args))
+          model_name=args.model_name, warm_up=not args.no_warm_up, speculate=speculative_options(args),
+          limits=limits)
     return 0
 
 
@@ -173,9 +188,10 @@ def _bench_speculative(args, model, label: str) -> int:
 
 
 def port_number(text: str) -> int:
-    value = positive_int(text)
+    """A TCP port, 1..65535, or 0: one the system picks (the "serving" line names it)."""
+    value = non_negative_int(text)
     if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535 (0: any free port), got {value}")
     return value
 
 
@@ -224,16 +240,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     _inference_args(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/models")
+    s = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/models, "
+                       "/health, Prometheus /metrics")
     s.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--port", type=port_number, default=8000,
+                   help="port to listen on (default 8000; 0: a free port, named in the \"serving\" line)")
     s.add_argument("--slots", type=positive_int, default=16,
                    help="sequences decoded together (KV-cache rows); more requests queue (default 16)")
     s.add_argument("--model-name", help="the model id clients ask for (default: the run directory's name)")
     s.add_argument("--no-warm-up", action="store_true",
                    help="do not compile and capture the decode step before serving (first request pays it)")
     _speculative_args(s, " (a request's archlab field \"speculate\": 0..K accepts fewer)")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require the header Authorization: Bearer KEY on every route but /health (401 without it); "
+                        "default: the environment variable ARCHLAB_API_KEY, which keeps the key out of the process "
+                        "list; without a key a --host other than loopback prints a warning")
+    s.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, metavar="N",
+                   help="the largest request body; a larger one gets 413 (default 1048576, 1 MiB)")
+    s.add_argument("--max-queue", type=non_negative_int, default=256, metavar="N",
+                   help="requests that may wait for a slot; past them a request gets 429 with Retry-After "
+                        "(default 256)")
+    s.add_argument("--request-timeout", type=non_negative_float, default=600.0, metavar="SECONDS",
+                   help="time limit of one request from its arrival, its wait for a slot included: past it the "
+                        "request ends with the text so far and finish_reason \"length\", and its slot frees "
+                        "(default 600; 0: no limit)")
     _inference_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -4,6 +4,8 @@
                             "stream"; archlab's extras: "top_k", and "speculate" on a server started
                             with --speculate K: the most draft tokens a step may accept, 0..K}
     GET  /v1/models
+    GET  /health           {"status": "ok"}, 503 once the engine has failed; needs no API key
+    GET  /metrics          Prometheus text format (``infer.metrics``)
 
 One thread (``EngineLoop``) owns the engine and its scheduler: requests from any number of HTTP
 connections queue there and share the running decode batch, each in a slot of the static KV
@@ -12,8 +14,11 @@ back to each connection's asyncio queue. A streaming response is server-sent eve
 ``text_completion`` chunk per piece of text, then ``data: [DONE]``.
 
 A malformed request is answered with a 4xx and an OpenAI-style JSON error before it reaches the
-engine, so it never disturbs the others. A client that disconnects cancels its request; the
-scheduler frees its slot before the next step.
+engine, so it never disturbs the others. Facing a network (``infer.server_limits``): an API key
+on every route but /health (401), a body size limit (413), a bounded wait queue (429 with
+Retry-After past ``--max-queue`` waiting requests), and a time limit per request, past which it
+ends with the text so far and finish_reason "length". A client that disconnects, streaming or
+not, cancels its request; the scheduler frees its slot before the next step.
 """
 
 
@@ -24,27 +29,43 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from collections import deque
+from typing import Any, AsyncIterator, Callable
 
 from archlab.infer.engine import Engine, Request, Scheduler
+from archlab.infer.metrics import CONTENT_TYPE, ServerMetrics
 from archlab.infer.sampling import SamplingParams
+from archlab.infer.server_limits import (RETRY_AFTER_S, BodyTooLarge, Guard, ServerLimits, bind, error_body,
+                                         exposure_warning, listening_url)
 from archlab.infer.speculative import SpeculativeOptions
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    """A request answered with a 4xx and an OpenAI-style error before it reaches the engine."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
+        self.kind, self.headers = kind, headers
 
 
-def error_body(message: str, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+class QueueFull(Exception):
+    """Every slot is busy and ``max_waiting`` requests already wait for one."""
+
+
+class EngineFailed(Exception):
+    """The engine thread died; no request can run any more."""
 
 
 class EngineLoop:
-    """The engine's thread: takes submitted requests, admits, steps, hands out tokens."""
+    """The engine's thread: takes submitted requests, admits, steps, hands out tokens.
+
+    It also keeps the counts that bound the wait queue and that /metrics reports: requests
+    waiting for a slot (``queue_length``), slots holding a request (``slots_in_use``) and both
+    together (``in_engine``). Handlers add to ``in_engine`` as they submit; the engine thread
+    recounts all three after each admission, under the same lock, so a burst of submissions
+    between two steps cannot pass the bound."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -53,6 +74,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="archlab-engine", daemon=True)
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.in_engine = self.queue_length = self.slots_in_use = 0
 
     def start(self) -> "EngineLoop":
         self.thread.start()
@@ -63,10 +86,19 @@ class EngineLoop:
         self.inbox.put_nowait(None)  # type: ignore[arg-type]  # wakes a waiting loop
         self.thread.join(timeout=10)
 
-    def submit(self, request: Request) -> None:
-        """Validate (raising ValueError for a bad request) and queue for the engine thread."""
+    def submit(self, request: Request, max_waiting: int | None = None) -> None:
+        """Validate (raising ValueError for a bad request) and queue for the engine thread;
+        ``QueueFull`` when every slot is busy and ``max_waiting`` requests wait already."""
         self.scheduler.check(request)
-        self.inbox.put(request)
+        with self._lock:
+            if self.error is not None:
+                raise EngineFailed(f"the engine failed: {self.error!r}")
+            if max_waiting is not None and self.in_engine >= self.engine.slots + max_waiting:
+                raise QueueFull(f"the server is busy: every slot is decoding and the queue of {max_waiting} "
+                                f"waiting requests is full (--max-queue); retry later")
+            self.in_engine += 1
+            self.queue_length += 1
+            self.inbox.put(request)
 
     def _take(self, block: bool) -> None:
         try:
@@ -80,28 +112,40 @@ class EngineLoop:
             except queue.Empty:
                 r = None
 
+    def _drop_cancelled(self) -> None:
+        """Requests cancelled while they wait (their client left or their time ran out) leave the
+        queue now: the scheduler drops them only when a slot frees, and until then they would
+        count against ``--max-queue``."""
+        waiting = self.scheduler.waiting
+        if any(r.cancelled for r in waiting):
+            for r in waiting:
+                if r.cancelled:
+                    r.finish_reason = "cancelled"
+            self.scheduler.waiting = deque(r for r in waiting if not r.cancelled)
+
+    def _recount(self) -> None:
+        with self._lock:  # puts into the inbox happen under this lock: its size is exact here
+            waiting = self.inbox.qsize() + len(self.scheduler.waiting)
+            self.queue_length, self.slots_in_use = waiting, len(self.scheduler.running)
+            self.in_engine = waiting + self.slots_in_use
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._take(block=self.scheduler.idle)
+                self._drop_cancelled()
                 self.scheduler.admit()
+                self._recount()
                 if any(not r.done for r in self.scheduler.running.values()):
                     self.scheduler.step_once()
-        except BaseException as e:  # pragma: no cover - reported to every waiting client
-            self.error = e
+        except BaseException as e:  # reported to every request in flight; later ones are refused
+            with self._lock:  # no submission after this: each one checks ``error`` under the lock
+                self.error = e
+            self._take(block=False)
             for r in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
                 r.finish_reason = "error"
                 if r.on_token is not None:
                     r.on_token(r, -1)
-
-
-@dataclass
-class Completion:
-    """One HTTP request's view of its engine request: tokens arrive on ``tokens``."""
-
-    request: Request
-    tokens: asyncio.Queue
-    stop_text: tuple[str, ...]
 
 
 def parse_completion(body: Any, model_name: str, tokenizer, eos: int | None) -> tuple[list[int], SamplingParams, tuple[str, ...], bool]:
@@ -216,6 +260,14 @@ class TextStream:
     def add(self, token: int, final: bool = False) -> str:
         if token != self.eos:
             self.ids.append(token)
+        return self._new_text(final)
+
+    def close(self) -> str:
+        """The text still held back when a stream ends without a last token (its time limit):
+        an unfinished character (as U+FFFD), a tail that did not become a stop string."""
+        return "" if self.stopped else self._new_text(final=True)
+
+    def _new_text(self, final: bool) -> str:
         self.decoded += self._advance(final)
         text = self.decoded
         # A stop string starting before ``lo`` would have ended inside the text already sent.
@@ -254,18 +306,84 @@ class Mailbox:
             queue.put_nowait(item)
 
 
-def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = None):
+TIME_UP = -2  # put on a request's token queue when its time limit passes (-1: the engine failed)
+CLIENT_GONE = 499  # nginx's "client closed request": the status of an answer nobody reads, for the logs
+
+
+async def until_disconnected(http, work) -> tuple[bool, Any]:
+    """(True, ``work``'s result), or (False, None) when the client disconnects first: ``work`` is
+    then cancelled. Only for a response not yet started: uvicorn reports a disconnect through
+    ``receive`` (a streaming response listens there itself), never by cancelling the handler."""
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            t.cancel()
+    await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = None,
+               limits: ServerLimits = ServerLimits()):
+    """The FastAPI app on ``loop``; its metrics are ``app.state.metrics``."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.requests import ClientDisconnect
+
+    class EndingStream(StreamingResponse):
+        """Server-sent events that call ``on_end`` however the response ends. Here rather than
+        in the events' generator: a client gone before the stream starts never runs the
+        generator, so a ``finally`` there would never free the slot."""
+
+        def __init__(self, events: AsyncIterator[str], on_end: Callable[[], None]):
+            super().__init__(events, media_type="text/event-stream")
+            self.on_end = on_end
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.on_end()
 
     app = FastAPI(title="archlab", description="OpenAI-compatible completions on the archlab engine")
     created = int(time.time())
     mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+    metrics = app.state.metrics = ServerMetrics(loop.engine.slots, lambda: loop.queue_length,
+                                                lambda: loop.slots_in_use)
+    app.add_middleware(Guard, limits=limits, count=lambda outcome: metrics.requests.inc(value=outcome))
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: HTTPRequest, e: BadRequest):
-        return JSONResponse(error_body(e.message, e.param, e.code), status_code=e.status)
+        metrics.requests.inc(value={413: "too_large", 429: "queue_full"}.get(e.status, "invalid"))
+        return JSONResponse(error_body(e.message, e.param, e.code, e.kind), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(EngineFailed)
+    async def engine_failed(_: HTTPRequest, e: EngineFailed):
+        return JSONResponse(error_body(str(e), code="engine_failed", kind="server_error"), status_code=503)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: HTTPRequest, e: BodyTooLarge):
+        metrics.requests.inc(value="too_large")
+        return JSONResponse(error_body(str(e), code="request_too_large"), status_code=413)
+
+    @app.get("/health")
+    async def health():
+        if loop.error is not None or not loop.thread.is_alive():
+            return JSONResponse({"status": "error", "message": "the engine has stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def scrape():
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -274,26 +392,67 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
+        arrived = time.perf_counter()
         try:
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
+        except ClientDisconnect:  # gone before its request was read: nothing to answer or cancel
+            metrics.requests.inc(value="cancelled")
+            return Response(status_code=CLIENT_GONE)
         ids, params, stops, stream = parse_completion(body, model_name, tokenizer, eos)
         aloop = asyncio.get_running_loop()
         if mailboxes.get(aloop) is None:
             mailboxes[aloop] = Mailbox(aloop)
         mailbox = mailboxes[aloop]
         tokens: asyncio.Queue = asyncio.Queue()
+        last_token_at: float | None = None
 
         def on_token(r: Request, token: int) -> None:  # the engine thread
+            nonlocal last_token_at
+            if token >= 0:
+                now = time.perf_counter()
+                metrics.generated_tokens.inc()
+                if last_token_at is None:
+                    metrics.ttft.observe(now - arrived)
+                else:
+                    metrics.token_latency.observe(now - last_token_at)
+                last_token_at = now
             mailbox.post(tokens, (token, r.finish_reason))
 
         request = Request(ids, params, on_token=on_token)
         try:
-            loop.submit(request)
+            loop.submit(request, max_waiting=limits.max_queue)
+        except QueueFull as e:
+            raise BadRequest(str(e), None, 429, "queue_full", "server_busy",
+                             {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineFailed:
+            metrics.requests.inc(value="error")
+            raise
         except ValueError as e:
             param = "speculate" if str(e).startswith("speculate") else "prompt" if "prompt" in str(e) else "max_tokens"
             raise BadRequest(str(e), param) from None
+        metrics.started()
+        metrics.prompt_tokens.inc(len(ids))
+        timer = None
+        if limits.request_timeout is not None:
+            left = limits.request_timeout - (time.perf_counter() - arrived)
+            timer = aloop.call_later(max(0.0, left), tokens.put_nowait, (TIME_UP, None))
+        ending: list[str] = []  # the outcome, once decided
+        delivered = 0  # tokens whose text reached the response (the usage counts these)
+
+        def end(outcome: str) -> None:
+            """Record how the request ended, once; a request still in the engine (its client
+            left, its time ran out, a stop string cut it) is cancelled: its slot frees."""
+            if ending:
+                return
+            ending.append(outcome)
+            if timer is not None:
+                timer.cancel()
+            if not request.done:
+                request.cancelled = True
+            metrics.ended(outcome, time.perf_counter() - arrived)
+
         ident, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -303,32 +462,36 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
         async def pieces() -> AsyncIterator[tuple[str, str | None]]:
             """(new text, finish reason or None) per batch of the tokens that have arrived, until
             the request ends: a stream that falls behind catches up in fewer, larger chunks."""
+            nonlocal delivered
             text = TextStream(tokenizer, stops, eos)
-            try:
-                while True:
-                    arrived = [await tokens.get()]
-                    while not tokens.empty():
-                        arrived.append(tokens.get_nowait())
-                    parts = []
-                    for token, finish in arrived:
-                        if token < 0:
-                            raise RuntimeError(f"the engine failed: {loop.error!r}")
-                        parts.append(text.add(token, final=finish is not None))
-                        if text.stopped:
-                            request.cancelled = True  # frees the slot; the stop string ends it
-                            yield "".join(parts), "stop"
-                            return
-                        if finish is not None:
-                            yield "".join(parts), "stop" if finish == "stop" else "length"
-                            return
-                    if any(parts):
-                        yield "".join(parts), None
-            finally:
-                request.cancelled = request.cancelled or not request.done  # a dropped client
+            while True:
+                arrived_now = [await tokens.get()]
+                while not tokens.empty():
+                    arrived_now.append(tokens.get_nowait())
+                parts = []
+                for token, finish in arrived_now:
+                    if token == TIME_UP:  # the text so far ends it, as max_tokens would have
+                        end("timeout")
+                        yield "".join(parts) + text.close(), "length"
+                        return
+                    if token < 0:
+                        end("error")
+                        raise EngineFailed(f"the engine failed: {loop.error!r}")
+                    delivered += 1
+                    parts.append(text.add(token, final=finish is not None))
+                    if text.stopped:  # the stop string ends it; ``end`` frees the slot
+                        end("stop")
+                        yield "".join(parts), "stop"
+                        return
+                    if finish is not None:
+                        end("stop" if finish == "stop" else "length")
+                        yield "".join(parts), "stop" if finish == "stop" else "length"
+                        return
+                if any(parts):
+                    yield "".join(parts), None
 
         def usage() -> dict[str, int]:
-            n = len(request.tokens)
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            return {"prompt_tokens": len(ids), "completion_tokens": delivered, "total_tokens": len(ids) + delivered}
 
         if stream:
             options = body.get("stream_options") or {}
@@ -338,42 +501,75 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
                 try:
                     async for delta, finish in pieces():
                         yield f"data: {json.dumps(chunk(delta, finish))}\n\n"
-                    if with_usage:  # OpenAI's stream_options.include_usage: one more chunk, no choices
-                        yield f"data: {json.dumps({**chunk('', None), 'choices': [], 'usage': usage()})}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:  # the client went away mid-stream: free the slot now
-                    if not request.done:
-                        request.cancelled = True
+                except EngineFailed as e:  # the status is sent already: the error is the last event
+                    yield f"data: {json.dumps(error_body(str(e), code='engine_failed', kind='server_error'))}\n\n"
+                    return
+                if with_usage:  # OpenAI's stream_options.include_usage: one more chunk, no choices
+                    yield f"data: {json.dumps({**chunk('', None), 'choices': [], 'usage': usage()})}\n\n"
+                yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        parts, finish = [], None
-        async for delta, finish in pieces():
-            parts.append(delta)
-        return {**chunk("".join(parts), finish), "usage": usage()}
+            return EndingStream(events(), lambda: end("cancelled"))
+
+        async def collect() -> tuple[str, str | None]:
+            parts, finish = [], None
+            async for delta, finish in pieces():
+                parts.append(delta)
+            return "".join(parts), finish
+
+        try:
+            answered, result = await until_disconnected(http, collect())
+        finally:
+            end("cancelled")
+        if not answered:
+            return Response(status_code=CLIENT_GONE)
+        text, finish = result
+        return {**chunk(text, finish), "usage": usage()}
 
     return app
 
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 16, device: str = "auto",
           dtype: str = "auto", model_name: str | None = None, warm_up: bool = True,
-          speculate: SpeculativeOptions | None = None) -> None:
+          speculate: SpeculativeOptions | None = None, limits: ServerLimits = ServerLimits()) -> None:
     """Load a checkpoint and serve it until interrupted; ``speculate``: self-speculative decoding
-    (checked against the model before the server listens)."""
+    (checked against the model before the server listens); ``limits``: the API key and the
+    bounds on each request's work.
+
+    The checkpoint and the engine's options are checked first, then the port is bound (a port in
+    use fails in one line, before the warm-up's compilations), and the "serving" line comes only
+    once the socket listens."""
     import uvicorn
 
     from archlab.infer.loading import load_for_inference
 
+    limits.check()
     model, tokenizer, eos, name = load_for_inference(ckpt, device, dtype)
     engine = Engine(model, slots=slots, speculate=speculate)  # a bad --speculate fails here, before listening
-    spec = engine.speculative
-    how = f", self-speculative: {spec.draft_tokens} tokens drafted by {spec.draft_layers} layer visits" if spec else ""
-    print(f"archlab: serving {ckpt} on http://{host}:{port}/v1 ({slots} slots{how})", file=sys.stderr)
-    if warm_up:
-        # Short prompts for every group size that requests can arrive in; longer buckets compile
-        # on first use.
-        engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
-    loop = EngineLoop(engine).start()
+    sock = bind(host, port)
     try:
-        uvicorn.run(create_app(loop, tokenizer, model_name or name, eos), host=host, port=port, log_level="warning")
+        if warm_up:
+            # Short prompts for every group size that requests can arrive in; longer buckets
+            # compile on first use.
+            engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
+        loop = EngineLoop(engine).start()
+        try:
+            app = create_app(loop, tokenizer, model_name or name, eos, limits)
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+            sock.listen(2048)  # uvicorn's backlog
+            spec = engine.speculative
+            how = (f", self-speculative: {spec.draft_tokens} tokens drafted by {spec.draft_layers} layer visits"
+                   if spec else "")
+            warning = exposure_warning(sock, limits.api_key)
+            if warning:
+                print(warning, file=sys.stderr)
+            print(f"archlab: serving {ckpt} on {listening_url(sock)}/v1 ({slots} slots{how})", file=sys.stderr,
+                  flush=True)
+            try:
+                server.run(sockets=[sock])
+            except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once its connections are closed
+                print("archlab: interrupted; the server has stopped", file=sys.stderr)
+                raise SystemExit(130) from None
+        finally:
+            loop.stop()
     finally:
-        loop.stop()
+        sock.close()
