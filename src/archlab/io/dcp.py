@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
@@ -211,7 +212,14 @@ def load(ckpt: Path, state: dict[str, Any], model: torch.nn.Module, opt: torch.o
             dcp.load(tree, storage_reader=SafeReader(str(ckpt / "dcp")), no_dist=not _distributed())
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps every rank's failure in a CheckpointException with its traceback
+    except (Exception, CheckpointException) as e:
+        # DCP wraps whatever fails in a rank's own part of the load (a shard it cannot read, a
+        # shape that does not fit) in a CheckpointException, with every rank's traceback; that
+        # class derives from BaseException, hence named here. An error DCP did not wrap comes
+        # from one of its collectives: a peer died mid-load, which says nothing against the
+        # checkpoint, so it goes up as it is and the caller reports the lost rank.
+        if _distributed() and not isinstance(e, CheckpointException):
+            raise
         text = str(e)
         ours = re.search(r"(sharded checkpoint \S+: [^\n;]*)", text)
         if ours:
