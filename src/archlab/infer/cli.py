@@ -115,7 +115,8 @@ def cmd_bench(args) -> int:
         torch.manual_seed(0)
         model = build_model(cfg.model).to(dev, resolve_dtype(args.dtype, dev)).eval()
         label = f"preset {args.preset}" + (" with overrides" if args.overrides or args.config else "")
-    need = max(args.prompt if args.what in ("prefill", "all") else 0, args.context + args.steps + 16)
+    fit_bench_shapes(args, model.cfg.max_seq_len)
+    need = max(args.prompt if args.what in ("prefill", "all") else 0, args.context + args.steps + _DECODE_SLACK)
     if need > model.cfg.max_seq_len:
         raise UsageError(f"--prompt / --context + --steps need {need} positions; the model has "
                          f"{model.cfg.max_seq_len} (raise model.max_seq_len with --set for a preset)")
@@ -148,6 +149,30 @@ def cmd_bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": device, "model": label, "copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
     return 0
+
+
+DEFAULT_PROMPT, DEFAULT_CONTEXT = 2048, 1024
+_DECODE_SLACK = 16  # positions kept free past context + steps (the warm-up's steps)
+
+
+def fit_bench_shapes(args, max_len: int) -> None:
+    """Fill in ``--prompt`` and ``--context`` left unset: the defaults (2048, 1024) where the
+    model's context holds them, else the longest prompt it holds and the longest power-of-two
+    context that leaves room for ``--steps``, so that the plain command works on every preset.
+    A value the user gave is kept (and refused later if it does not fit)."""
+    shrunk = []
+    if args.prompt is None:
+        args.prompt = min(DEFAULT_PROMPT, max_len)
+        if args.prompt != DEFAULT_PROMPT and args.what in ("prefill", "all"):
+            shrunk.append(f"prompt {args.prompt}")
+    if args.context is None:
+        room = max_len - args.steps - _DECODE_SLACK
+        args.context = DEFAULT_CONTEXT if DEFAULT_CONTEXT <= room else 1 << max(0, room.bit_length() - 1)
+        if args.context != DEFAULT_CONTEXT and args.what != "prefill":
+            shrunk.append(f"context {args.context}")
+    if shrunk:
+        print(f"archlab: bench: {' and '.join(shrunk)}, to fit the model's context of {max_len} tokens",
+              file=sys.stderr)
 
 
 def _bench_speculative(args, model, label: str) -> int:
@@ -274,8 +299,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "new tokens after --context prompt tokens (acceptance, tokens per verify step, tokens/s)")
     b.add_argument("--ckpt", help="run directory or checkpoint directory (default: a randomly initialised --preset)")
     config_args(b, " when no --ckpt (randomly initialised)")
-    b.add_argument("--prompt", type=positive_int, default=2048, help="prefill prompt length in tokens (default 2048)")
-    b.add_argument("--context", type=positive_int, default=1024, help="tokens in the cache while decoding (default 1024)")
+    b.add_argument("--prompt", type=positive_int,
+                   help="prefill prompt length in tokens (default 2048, or the model's context if shorter)")
+    b.add_argument("--context", type=positive_int,
+                   help="tokens in the cache while decoding (default 1024, or the longest power of two that leaves "
+                        "room for --steps in the model's context)")
     b.add_argument("--batches", type=positive_int_list, default=[1, 8], help="decode batch sizes, comma-separated (default 1,8)")
     b.add_argument("--steps", type=positive_int, default=100, help="timed decode steps per batch size (default 100)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
