@@ -11,6 +11,21 @@ from archlab.argtypes import config_args, int_at_least, non_negative_float, non_
 from archlab.errors import UsageError
 
 
+# ``--compile auto`` compiles the decode step when a generation has at least this many steps: a
+# compiled step fuses its kernels, but compiling it and the prefill costs seconds, which a short
+# generation does not win back (an eager step is still captured as a CUDA graph). The threshold
+# is a first choice, to be set from GPU measurements (docs/benchmarks.md).
+AUTO_COMPILE_MIN_STEPS = 256
+
+
+def use_compile(choice: str, device_type: str, max_new_tokens: int) -> bool:
+    """``--compile``: on, off, or auto (on CUDA for generations of ``AUTO_COMPILE_MIN_STEPS`` steps
+    or more; never on CPU, where inductor's C++ compile takes tens of seconds)."""
+    if choice != "auto":
+        return choice == "on"
+    return device_type == "cuda" and max_new_tokens >= AUTO_COMPILE_MIN_STEPS
+
+
 def cmd_generate(args) -> int:
     import time
 
@@ -19,8 +34,11 @@ def cmd_generate(args) -> int:
     from archlab.infer.sampling import SamplingParams
 
     speculate = speculative_options(args)
+    started = time.perf_counter()
     model, tok, eos, _ = load_for_inference(args.ckpt, args.device, args.dtype)
-    engine = Engine(model, slots=len(args.prompt), speculate=speculate)
+    loaded = time.perf_counter()
+    compiled = use_compile(args.compile, model.lm_head.weight.device.type, args.max_new_tokens)
+    engine = Engine(model, slots=len(args.prompt), speculate=speculate, compile=compiled)
     ctx = engine.max_len  # speculation keeps one slot of the model's context (infer.speculative)
     if args.max_new_tokens >= ctx:
         raise UsageError(f"--max-new-tokens must be below the model's context of {ctx} tokens "
@@ -33,25 +51,64 @@ def cmd_generate(args) -> int:
     stops = tuple(tok.encode(s).ids[0] for s in args.stop if tok.encode(s).ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop_tokens=stops + ((eos,) if eos is not None else ()), seed=args.seed)
+    clock = GenerationClock()
     t0 = time.perf_counter()
-    requests = engine.generate(prompts, params)
+    requests = engine.generate(prompts, params, on_token=clock.on_token)
     wall = time.perf_counter() - t0
     for text, r in zip(args.prompt, requests):
         print(text + tok.decode([t for t in r.tokens if t != eos]))
         if len(args.prompt) > 1:
             print("-" * 40)
-    n = sum(len(r.tokens) for r in requests)
-    ttft = min(r.first_token_at for r in requests) - t0
-    rate = (n - len(requests)) / (wall - ttft) if wall > ttft and n > len(requests) else float("nan")
-    print(f"{n} tokens in {wall:.2f} s: time to first token {ttft * 1e3:.0f} ms (prefill of "
-          f"{sum(len(p) for p in prompts)} prompt tokens, compilation included on first use), then "
-          f"{rate:,.1f} tokens/s over {len(requests)} sequence(s)", file=sys.stderr)
+    print(clock.report(loaded - started, t0, wall, requests, sum(len(p) for p in prompts), compiled, engine.cuda),
+          file=sys.stderr)
     if engine.speculative is not None:
         spec, stats = engine.speculative, engine.speculative.stats
         print(f"speculative: {spec.draft_tokens} draft tokens per step from {spec.draft_layers} of "
               f"{len(model.visits)} layer visits: acceptance {stats.acceptance:.1%} ({stats.accepted} of "
               f"{stats.drafted} drafted tokens), {stats.tokens_per_step:.2f} tokens per verify step", file=sys.stderr)
     return 0
+
+
+class GenerationClock:
+    """When each batch of tokens reached the host, to tell start-up from decoding in what
+    ``generate`` reports. The first decode steps compile and capture the step (a CUDA graph), so
+    a rate over all tokens after the first measured compilation; here the rate is taken from the
+    first delivery after the first token (the engine hands tokens over every few steps) to the
+    last, and the time before it is reported as what it is."""
+
+    def __init__(self) -> None:
+        self.deliveries: list[tuple[float, int]] = []  # (time, tokens delivered up to then)
+        self.count = 0
+
+    def on_token(self, request, token: int) -> None:  # noqa: ARG002
+        import time
+
+        self.count += 1
+        now = time.perf_counter()
+        if self.deliveries and now - self.deliveries[-1][0] < 1e-4:  # one hand-over of a batch
+            self.deliveries[-1] = (now, self.count)
+        else:
+            self.deliveries.append((now, self.count))
+
+    def report(self, load_s: float, t0: float, wall: float, requests, prompt_tokens: int, compiled: bool,
+               captured: bool) -> str:
+        n = sum(len(r.tokens) for r in requests)
+        ttft = min(r.first_token_at for r in requests) - t0
+        how = "compiled" if compiled else "eager"
+        line = (f"{n} tokens in {wall:.2f} s after loading in {load_s:.2f} s ({how}): first token after "
+                f"{ttft * 1e3:,.0f} ms (prefill of {prompt_tokens} prompt tokens")
+        line += ", compilation included)" if compiled else ")"
+        later = self.deliveries[1:]  # the first hand-over is the prefill's first tokens
+        if len(later) >= 2 and later[-1][1] > later[0][1]:
+            (t_a, c_a), (t_b, c_b) = later[0], later[-1]
+            setup = t_a - self.deliveries[0][0]
+            work = " and ".join(w for w, done in (("compiling", compiled), ("capturing", captured)) if done)
+            line += (f", then {c_b - c_a} tokens at {(c_b - c_a) / (t_b - t_a):,.1f} tokens/s over "
+                     f"{len(requests)} sequence(s), timed after the first decode hand-over ({setup:.2f} s"
+                     + (f", {work} the step on first use)" if work else ")"))
+        else:
+            line += "; too few tokens after the first to time decoding apart from start-up"
+        return line
 
 
 def speculative_options(args):
@@ -261,6 +318,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--stop", action="append", default=[],
                    help="stop a row after this text's first token (repeatable); end-of-text always stops")
     g.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (the same seed gives the same text)")
+    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="compile the decode step and prefill with torch.compile (faster steps, seconds to "
+                        f"compile); auto: on CUDA for --max-new-tokens >= {AUTO_COMPILE_MIN_STEPS}, else eager "
+                        "(on CUDA still a captured CUDA graph); the same greedy tokens either way")
     _speculative_args(g)
     _inference_args(g)
     g.set_defaults(func=cmd_generate)
