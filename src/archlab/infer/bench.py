@@ -179,5 +179,59 @@ def bench_speculative(model, batch: int, context: int, new_tokens: int, options:
                              identical=tokens == plain if temperature == 0 else None)
 
 
+@dataclass
+class PairedTTFT:
+    """Time to first token of two models measured in alternation (``paired_ttft``): medians and
+    interquartile ranges of each, and of the per-pair ratio b / a."""
+    prompt: int
+    pairs: int
+    a_ms: float
+    a_iqr_ms: tuple[float, float]
+    b_ms: float
+    b_iqr_ms: tuple[float, float]
+    ratio: float  # median of b_i / a_i over the pairs
+    ratio_iqr: tuple[float, float]
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile), linearly interpolated between order statistics
+    (``statistics.quantiles``'s inclusive method, numpy's default)."""
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def summarise_pairs(prompt: int, a_ms: list[float], b_ms: list[float]) -> PairedTTFT:
+    """The statistics of paired timings: a ratio per pair, so that drift of the machine between
+    pairs (clocks, other tenants, the bimodal prefill times seen on an H200) cancels within one."""
+    if len(a_ms) != len(b_ms) or len(a_ms) < 2:
+        raise ValueError("paired timings need two lists of equal length, at least 2")
+    ratios = [b / a for a, b in zip(a_ms, b_ms)]
+    (a1, a2, a3), (b1, b2, b3), (r1, r2, r3) = quartiles(a_ms), quartiles(b_ms), quartiles(ratios)
+    return PairedTTFT(prompt=prompt, pairs=len(a_ms), a_ms=a2, a_iqr_ms=(a1, a3), b_ms=b2, b_iqr_ms=(b1, b3),
+                      ratio=r2, ratio_iqr=(r1, r3))
+
+
+def paired_ttft(model_a, model_b, prompt: int, pairs: int = 30, warm: int = 3) -> PairedTTFT:
+    """Time to first token (one prefill of a ``prompt``-token prompt and the first token's
+    sampling) of two models on their own engines, measured as ``pairs`` pairs: each pair a fresh
+    prompt of the same length given to both, the order alternating from pair to pair (a, b then
+    b, a), so that neither model always runs first (after the other's work, in a warmer or a
+    cooler state). One pair of timings is not a measurement: the same prefill has been seen to
+    take two distinct times from one process to the next."""
+    engines = [Engine(m, slots=1, max_len=max(prompt + 1, m.cfg.max_seq_len)) for m in (model_a, model_b)]
+    vocab = min(model_a.cfg.vocab_size, model_b.cfg.vocab_size)
+    params = [SamplingParams(max_new_tokens=1, temperature=0)]
+    timer = _timer(engines[0].device)
+    for i, engine in enumerate(engines):  # compile and capture the prefill of this length
+        timer(lambda: engine.prefill([0], [prompt_tokens(prompt, vocab, seed=10_000 + i)], params), 1, warm)
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(pairs):
+        tokens = prompt_tokens(prompt, vocab, seed=i)
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            engine = engines[which]
+            times[which].append(timer(lambda: engine.prefill([0], [tokens], params), 1, 0))
+    return summarise_pairs(prompt, *times)
+
+
 def as_dict(result) -> dict:
     return asdict(result)
