@@ -26,7 +26,31 @@ class _Parser(argparse.ArgumentParser):
 
 def _load_cfg(args):
     from archlab.config import make_config
-    return make_config(args.preset, args.config, args.overrides)
+    extra = _init_from(args.init_from) if getattr(args, "init_from", None) else None
+    return make_config(args.preset, args.config, args.overrides, extra=extra)
+
+
+def _init_from(path: str) -> dict:
+    """``train --init-from CKPT``: the checkpoint's model section, as the run's (after the preset
+    and config files, before ``--set``), and ``train.init_from``. Read from its state.json alone:
+    the weights are checked and loaded when training starts."""
+    import json
+
+    from archlab.errors import CheckpointError
+
+    p = Path(path)
+    state = p / "state.json"
+    if not state.is_file():
+        for base in (p / "ckpt", p):
+            if (base / "latest").is_file():
+                state = base / (base / "latest").read_text().strip() / "state.json"
+                break
+    try:
+        model = json.loads(state.read_text())["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"--init-from {path}: no checkpoint with a model config there (a run directory or a "
+                              "checkpoint directory with state.json)") from None
+    return {"model": model, "train": {"init_from": str(p)}}
 
 
 # ---- train / eval / generate / info -----------------------------------------------------------
@@ -230,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--final", action="store_true",
                    help="score the run's final evaluation sample (its batch size, sequence length and "
                         "train.final_eval_tokens): reproduces the final loss training recorded; "
+    t.add_argument("--init-from", metavar="CKPT",
+                   help="start from a checkpoint's weights (a converted or imported model, another run's): its "
+                        "model config becomes this run's (--set model.* on top must keep the weights' shapes); "
+                        "the optimizer and the schedule start at step 0 (train.init_from)")
                         "--batches, --batch-size and --seq-len are then unused")
     e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
                    help="tokens per row, at most the model's context (default: the training sequence length)")

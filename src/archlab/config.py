@@ -74,6 +74,11 @@ class TrainConfig:
     final_eval_tokens: int = 1_048_576
     ckpt_every: int = 100
     keep_ckpts: int = 2
+    # Start from another checkpoint's weights (a converted or imported model, or another run's)
+    # instead of a random initialisation; the optimizer and the schedule start at step 0. Only
+    # for a new run: a resumed one continues from its own checkpoint. ``archlab train
+    # --init-from`` also takes the checkpoint's model section as this run's.
+    init_from: str | None = None
     log_every: int = 10
     compile: bool = False
     # replay the whole step as one CUDA graph after a few warm-up steps (CUDA only; for models

@@ -124,6 +124,9 @@ class Run:
             torch.set_num_threads(tc.threads)
         torch.manual_seed(tc.seed)  # the same seed on every rank: identical initial weights
         self.model = build_model(cfg.model).to(self.device)
+        # a new run's starting weights (before wrapping: every rank loads the same full tensors)
+        fresh = not (self.out / "ckpt" / "latest").exists()
+        self.initialised_from = self._init_weights(Path(tc.init_from)) if tc.init_from and fresh else None
         if dist is not None:
             self.model = distributed.wrap(self.model, tc, dist)
         self.opt = make_optimizer(self.model, tc, self.device)
@@ -248,6 +251,17 @@ class Run:
             ckpt_io.atomic_write_text(root / "latest", name + "\n")
             self._prune(root, name)
         d.barrier()  # ``latest`` names the new checkpoint before anyone goes on
+
+    def _init_weights(self, path: Path) -> Path:
+        """Load ``train.init_from``'s weights into the fresh model (keys and shapes must match;
+        every file checked against its sha256); the checkpoint directory."""
+        ck = ckpt_io.resolve_checkpoint(path)
+        state = ckpt_io.read_state(ck)
+        if dcp_io.is_sharded(state) and "model.safetensors" not in state.get("files", {}):
+            raise CheckpointError(f"train.init_from: {ck} is sharded; write its weights as safetensors first: "
+                                  f"archlab checkpoint consolidate {ck} --out DIR")
+        ckpt_io.load_weights(self.model, ckpt_io.load_tensors(ck, "model"), ck)
+        return ck
 
     def try_resume(self) -> bool:
         try:
@@ -446,6 +460,9 @@ def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, sh
             ckpt_io.remove_stale_temporaries(folder)
     if resumed:
         notify(f"resuming from step {run.step} of {out}")
+    elif run.initialised_from is not None:
+        notify(f"starting from the weights of {run.initialised_from} (train.init_from); the optimizer and the "
+               "schedule start at step 0")
     out.mkdir(parents=True, exist_ok=True)
     if not resumed and run.is_main:
         ckpt_io.atomic_write_text(out / "config.yaml", dump_yaml(cfg))
