@@ -121,7 +121,13 @@ def test_sixteen_concurrent_streams_equal_sequential_generation(served):
     (dict(model="tiny", prompt="x " * 400, max_tokens=4), "BadRequestError", "context"),
     (dict(model="tiny", prompt="x", max_tokens=4, top_p=1.5), "BadRequestError", "top_p"),
     (dict(model="tiny", prompt="", max_tokens=4), "BadRequestError", "empty"),
-    (dict(model="tiny", prompt="x", max_tokens=4, n=2), "BadRequestError", "n must be 1"),
+    (dict(model="tiny", prompt="x", max_tokens=4, n=2, best_of=3), "BadRequestError", "best_of must equal n"),
+    (dict(model="tiny", prompt="x", max_tokens=4, presence_penalty=2.5), "BadRequestError", "presence_penalty"),
+    (dict(model="tiny", prompt="x", max_tokens=4, logit_bias={"600": 1}), "BadRequestError", "outside the vocab"),
+    (dict(model="tiny", prompt="x", max_tokens=4, logprobs=21), "BadRequestError", "logprobs must be in 0..20"),
+    (dict(model="tiny", prompt="x", max_tokens=0), "BadRequestError", "max_tokens must be >= 1"),
+    (dict(model="tiny", prompt="x", max_tokens=4, extra_body={"repetition_penalty": 1.2}), "BadRequestError",
+     "repetition_penalty is not supported"),
 ])
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(served, kwargs, error, words):
     client, *_ = served

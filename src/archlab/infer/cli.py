@@ -326,9 +326,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _inference_args(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-compatible /v1/completions and /v1/models, "
-                       "/health, Prometheus /metrics")
-    s.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
+    s = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-compatible /v1/completions (logprobs, "
+                       "echo, n, prompt lists, penalties, logit_bias), /v1/chat/completions (with the checkpoint's "
+                       "chat_template.jinja), /v1/models, /health, Prometheus /metrics")
+    s.add_argument("--ckpt", required=True,
+                   help="run directory or checkpoint directory (a chat_template.jinja beside its tokenizer.json "
+                        "enables /v1/chat/completions; without one chat requests get 400)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000,
                    help="port to listen on (default 8000; 0: a free port, named in the \"serving\" line)")

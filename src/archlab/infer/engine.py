@@ -37,7 +37,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from archlab.infer.sampling import SamplingParams, sample, token_keys
+from archlab.infer.logprobs import TokenLogprob, chosen_logprobs
+from archlab.infer.sampling import SamplingParams, penalise, sample, token_keys
 from archlab.infer.speculative import SelfSpeculative, SpeculativeOptions
 from archlab.model.core.decoder import Transformer
 
@@ -62,6 +63,10 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     cancelled: bool = False
+    #: the API's ``logprobs``: each generated token's log-probability and this many alternatives
+    #: (None: none are computed)
+    top_logprobs: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
     @property
     def done(self) -> bool:
@@ -94,6 +99,14 @@ class Engine:
         self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)
         self.top_p = torch.ones(slots, device=dev)
         self.seed = torch.zeros(slots, dtype=torch.long, device=dev)
+        # OpenAI's penalties and logit bias (``sampling.penalise``), and each slot's counts of the
+        # tokens it generated, which the prefill zeroes and every sampled token adds to on the
+        # device (no host round trip per step).
+        self.presence = torch.zeros(slots, device=dev)
+        self.frequency = torch.zeros(slots, device=dev)
+        self.bias = torch.zeros(slots, self.vocab, device=dev)
+        self.counts = torch.zeros(slots, self.vocab, device=dev)
+        self._one = torch.ones(slots, 1, device=dev)
         self.logprobs = torch.zeros(slots, self.vocab, device=dev)  # the last step's predictions
         self.token_keys = token_keys(self.vocab, dev)  # the sampler's per-token hash keys
         self._graphs: dict[bool, Callable[[], None]] = {}
@@ -169,10 +182,23 @@ class Engine:
         self.top_k[rows] = torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long)
         self.top_p[rows] = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float)
         self.seed[rows] = torch.tensor([p.seed for p in params], device=dev, dtype=torch.long)
+        self.presence[rows] = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=torch.float)
+        self.frequency[rows] = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=torch.float)
+        self.counts.index_fill_(0, rows, 0.0)
+        self.bias.index_fill_(0, rows, 0.0)
+        if any(p.logit_bias for p in params):  # a dense [n, V] table only when some request has one
+            bias = torch.zeros(len(params), self.vocab)
+            for i, p in enumerate(params):
+                for token, value in p.logit_bias:
+                    bias[i, token] = value
+            self.bias[rows] = bias.to(dev)
 
     def _decode_impl(self, greedy: bool) -> tuple[Tensor, Tensor]:
         logprobs = self.model.decode(self.tokens[:, None], self.cache, self.positions)
-        nxt = logprobs.argmax(-1) if greedy else sample(logprobs, self.temperature, self.top_k, self.top_p,
+        # The penalties change what is drawn; the step's ``logprobs`` stay the model's own (what
+        # the API reports, as vLLM's default does).
+        adjusted = penalise(logprobs, self.counts, self.presence, self.frequency, self.bias)
+        nxt = adjusted.argmax(-1) if greedy else sample(adjusted, self.temperature, self.top_k, self.top_p,
                                                          self.seed, self.positions + 1, self.token_keys)
         return logprobs, nxt
 
@@ -180,6 +206,7 @@ class Engine:
         logprobs, nxt = self._decode_fn(greedy)
         self.logprobs.copy_(logprobs)
         self.tokens.copy_(nxt)
+        self.counts.scatter_add_(1, nxt[:, None], self._one)
         # Free slots keep stepping; clamping keeps their (ignored) writes inside the cache.
         self.positions.copy_(torch.clamp(self.positions + 1, max=self.max_len - 1))
 
@@ -297,7 +324,9 @@ class _Prefill:
     def _impl(self) -> tuple[Tensor, Tensor]:
         e, rows = self.engine, self.rows
         logprobs = e.model.prefill(self.idx, e.cache, self.lengths, rows)
-        tok = sample(logprobs, e.temperature[rows], e.top_k[rows], e.top_p[rows], e.seed[rows], self.lengths,
+        # The counts are zero here (``_set_params``): only the bias changes the first token.
+        adjusted = penalise(logprobs, e.counts[rows], e.presence[rows], e.frequency[rows], e.bias[rows])
+        tok = sample(adjusted, e.temperature[rows], e.top_k[rows], e.top_p[rows], e.seed[rows], self.lengths,
                      e.token_keys)
         return logprobs, tok
 
@@ -307,6 +336,7 @@ class _Prefill:
         self.logprobs.copy_(logprobs)
         self.tok.copy_(tok)
         e.tokens[self.rows] = tok
+        e.counts[self.rows, tok] += 1  # the rows are distinct: no two updates meet
         e.positions[self.rows] = self.lengths
 
     def __call__(self, idx: Tensor, lengths: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -366,7 +396,15 @@ class Scheduler:
         if need > self.engine.max_len:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_new_tokens}) "
                              f"exceed the model's context of {self.engine.max_len} tokens")
+        bias_ids = [token for token, _ in request.params.logit_bias]
+        if bias_ids and max(bias_ids) >= self.engine.vocab:
+            raise ValueError(f"logit_bias names token {max(bias_ids)}, outside the vocabulary of {self.engine.vocab}")
         asked, spec = request.params.speculate, self.engine.speculative
+        if spec is not None and request.params.penalised:
+            raise ValueError("presence_penalty, frequency_penalty and logit_bias need a server without --speculate "
+                             "(the speculative step draws from the model's unchanged distribution)")
+        if spec is not None and request.top_logprobs is not None:
+            raise ValueError("logprobs need a server without --speculate")
         if asked and spec is None:
             raise ValueError(f"speculate={asked} needs an engine that speculates (archlab serve --speculate K)")
         if asked and asked > spec.draft_tokens:
@@ -380,10 +418,12 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def _emit(self, r: Request, token: int) -> None:
+    def _emit(self, r: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
         r.tokens.append(token)
+        if logprob is not None:
+            r.logprobs.append(logprob)
         if token in r.params.stop_tokens:
             r.finish_reason = "stop"
         elif len(r.tokens) >= r.params.max_new_tokens:
@@ -416,12 +456,25 @@ class Scheduler:
         self.prefills += 1
         self.admitted += len(batch)
         self.max_admit_wait = max(self.max_admit_wait, t0 - min(r.submitted for _, r in batch))
-        tok, _ = self.engine.prefill([s for s, _ in batch], [r.prompt for _, r in batch], [r.params for _, r in batch])
+        tok, logprobs = self.engine.prefill([s for s, _ in batch], [r.prompt for _, r in batch],
+                                            [r.params for _, r in batch])
+        entries = self._logprobs(logprobs, tok, [r for _, r in batch])
         first = tok.tolist()
         self.max_prefill_s = max(self.max_prefill_s, time.perf_counter() - t0)
-        for (slot, r), t in zip(batch, first):
+        for i, ((slot, r), t) in enumerate(zip(batch, first)):
             self.running[slot] = r
-            self._emit(r, t)
+            self._emit(r, t, entries.get(i))
+
+    @staticmethod
+    def _logprobs(logprobs: Tensor, tokens: Tensor, requests: list[Request]) -> dict[int, TokenLogprob]:
+        """{row: its token's log-probability entry} for the rows of ``logprobs`` [n, V] whose
+        request asked for logprobs (one gather and one top-k for all of them; none otherwise)."""
+        rows = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, device=logprobs.device)
+        entries = chosen_logprobs(logprobs[index], tokens[index], [requests[i].top_logprobs for i in rows])
+        return dict(zip(rows, entries))
 
     def run(self, requests: list[Request]) -> None:
         """Serve ``requests`` to completion. When every request fits in the slots and nothing
@@ -433,8 +486,8 @@ class Scheduler:
             active = {s: r for s, r in self.running.items() if not r.done}
             if not active:
                 continue
-            if self.waiting or self.engine.speculative is not None or any(r.on_token is not None
-                                                                            for r in active.values()):
+            if self.waiting or self.engine.speculative is not None or any(
+                    r.on_token is not None or r.top_logprobs is not None for r in active.values()):
                 self.step_once()
             else:
                 self._run_unsynced(active)
@@ -446,16 +499,22 @@ class Scheduler:
         greedy = all(r.params.greedy for r in active.values())
         self._count_step(len(active))
         t0 = time.perf_counter()
+        logprobs: dict[int, TokenLogprob] = {}  # by slot; the speculative step refuses logprobs
         if self.engine.speculative is not None:
             produced = self.engine.speculative.step(active)
         else:
-            tokens = self.engine.step(greedy).tolist()
+            step_tokens = self.engine.step(greedy)
+            tokens = step_tokens.tolist()
             produced = {slot: [tokens[slot]] for slot in active}
+            if any(r.top_logprobs is not None for r in active.values()):  # no copy of the step's rows otherwise
+                slots = list(active)
+                entries = self._logprobs(self.engine.logprobs[slots], step_tokens[slots], list(active.values()))
+                logprobs = {slots[i]: entry for i, entry in entries.items()}
         t1 = time.perf_counter()
         for slot, r in active.items():
             for token in produced[slot]:
                 if not r.done:  # a stop token among accepted drafts ends the request there
-                    self._emit(r, token)
+                    self._emit(r, token, logprobs.get(slot))
         self.step_s += t1 - t0
         self.emit_s += time.perf_counter() - t1
 

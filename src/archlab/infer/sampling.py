@@ -8,6 +8,10 @@ The uniform ``u`` is not drawn from a generator's state: it is a hash of (seed, 
 (splitmix64 on int64 tensors). The same request therefore samples the same tokens whatever else
 shares its batch, whichever slot it lands in, and whether the step is replayed from a CUDA graph:
 a server's concurrent streams equal sequential generation, and tests can check it.
+
+OpenAI's presence and frequency penalties and logit bias (``penalise``) shift a row's
+log-probabilities before any of this, from per-row tensors and counts of the row's generated
+tokens that the engine keeps on the device.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ class SamplingParams:
     #: on a speculative engine, the most draft tokens of a step this request may accept (None: the
     #: engine's ``--speculate``; 0: none, one token per step as plain decoding gives)
     speculate: int | None = None
+    #: OpenAI's penalties on the request's own generated tokens (``penalise``), each in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: (token id, bias in [-100, 100]) pairs added to those tokens' logits at every step
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def check(self) -> None:
         """Raise ValueError naming the first parameter out of range (the server's 400s)."""
@@ -48,6 +57,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.speculate is not None and self.speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0 = no draft tokens), got {self.speculate}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias names a negative token id {token}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the request changes its logits (penalties or a bias): the speculative step,
+        which draws from the unchanged distribution, refuses such requests."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +111,17 @@ def uniform_at(seed: Tensor, position: Tensor, token: Tensor, keys: Tensor) -> T
 
 def _unit(h: Tensor) -> Tensor:
     return (_lsr(h, 40).float() + 0.5) / float(1 << 24)  # 24 random bits, never 0 or 1
+
+
+def penalise(logprobs: Tensor, counts: Tensor, presence: Tensor, frequency: Tensor, bias: Tensor) -> Tensor:
+    """OpenAI's penalties and logit bias, per row, on log-probabilities [B, V] (fp32 out):
+    ``x[t] + bias[t] - presence * [count[t] > 0] - frequency * count[t]``, where ``counts`` [B, V]
+    counts each token among the row's generated tokens (not its prompt), ``presence`` and
+    ``frequency`` are [B] and ``bias`` is [B, V]. Shifting log-probabilities shifts the logits by
+    a per-row constant, which softmax ignores, so this is OpenAI's change of the logits. A row
+    whose penalties and bias are all zero comes back exactly unchanged (x + 0 - 0 = x), so
+    applying it to every row keeps one decode step for any mix of requests."""
+    return logprobs.float() + bias - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
 def restrict(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
