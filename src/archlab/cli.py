@@ -278,8 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
         from archlab.convert.hf import cli_import_hf
         return cli_import_hf(args)
 
-    h = sub.add_parser("import-hf", help="convert a Hugging Face Llama checkpoint (safetensors or GGUF) "
-                       "into an archlab checkpoint")
+    h = sub.add_parser("import-hf", help="convert a Hugging Face Llama checkpoint (safetensors or GGUF), or "
+                       "a folder archlab export-hf wrote, into an archlab checkpoint",
+                       description="Keeps the tokenizer, its eos/bos tokens (state.json 'special_tokens') "
+                                   "and the chat template (chat_template.jinja beside tokenizer.json).")
     h.add_argument("--src", required=True, help="folder with config.json + safetensors, or a .gguf file")
     h.add_argument("--gguf", metavar="FILE", help="GGUF file inside --src (read through transformers)")
     h.add_argument("--out", required=True, help="archlab checkpoint directory to write")
@@ -289,11 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         from archlab.convert.hf_export import cli_export_hf
         return cli_export_hf(args)
 
-    e = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama folder (config.json, "
-                       "model.safetensors, tokenizer) that transformers loads",
-                       description="The inverse of import-hf, for models a LlamaForCausalLM can hold: any "
-                                   "other option (decode branch, attention residuals, MoE, zoo options) is "
-                                   "refused with one line naming it.")
+    e = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face folder (config.json, "
+                       "model.safetensors, generation_config.json, tokenizer) that transformers loads",
+                       description="The inverse of import-hf. A model a LlamaForCausalLM can hold (and "
+                                   "delta-MHAR at its identity) is written as one, loaded without remote "
+                                   "code; every other model with archlab's self-contained modeling file "
+                                   "(modeling_archlab.py: load with trust_remote_code=True, no archlab "
+                                   "needed). An option that file does not implement is refused with one "
+                                   "line naming it. eos/bos ids and the chat template travel along.")
     e.add_argument("--ckpt", required=True, help="run directory or checkpoint directory")
     e.add_argument("--out", required=True, help="folder to write (must not exist)")
     e.set_defaults(func=cmd_export_hf)

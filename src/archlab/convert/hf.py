@@ -34,6 +34,13 @@ The returned state dict has tied tensors once (``tok_emb.weight`` only), like ar
 ``build_model_from_hf`` gives a ready model. ``load_hf(path)`` reads a folder with ``config.json``
 and ``model.safetensors`` (or a sharded ``model.safetensors.index.json``), or a GGUF file through
 ``transformers`` (``pip install transformers gguf accelerate``), with its ``tokenizer.json``.
+A folder ``archlab export-hf`` wrote through remote code (``model_type: archlab``) holds archlab's
+own config (``archlab_model``) and tensors (under ``model.``): it is read back as they are.
+
+Metadata (``special_tokens_of``): the eos/bos tokens and the chat template travel with the
+tokenizer. ``import_hf`` records the tokens as strings in ``state.json`` (``special_tokens``) and
+the template as ``chat_template.jinja`` beside ``tokenizer.json``; ``archlab.infer.loading`` reads
+both (docs/huggingface.md).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +73,10 @@ class HFModel:
     tokenizer: Any | None  # a tokenizers.Tokenizer, when the source has one
     hf_config: dict[str, Any]
     source: str
+    #: ``eos_token``/``bos_token`` strings (or None), what archlab's checkpoint records
+    #: (``archlab.infer.loading.special_tokens`` reads them back as ids of the tokenizer)
+    special_tokens: dict[str, str | None] = field(default_factory=dict)
+    chat_template: str | None = None
 
 
 def _get(cfg: dict[str, Any], key: str, default: Any = None, required: bool = True) -> Any:
@@ -189,6 +200,75 @@ def build_model_from_hf(cfg: ModelConfig, state_dict: dict[str, Tensor]):
     return model
 
 
+# ---- special tokens and the chat template -------------------------------------------------------------
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or an AddedToken mapping."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _first_id(value: Any) -> int | None:
+    """A token id as configs write it: an int or a list of ids (the first is the one kept)."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _template_text(value: Any) -> str | None:
+    """A chat template as ``tokenizer_config.json`` writes it: a string, or named templates of
+    which archlab keeps ``default`` (else the first): the server applies one template."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default", next(iter(named.values()), None))
+    return value if isinstance(value, str) else None
+
+
+def special_tokens_of(tokenizer: Any, tokenizer_config: dict[str, Any], *configs: dict[str, Any]) -> dict[str, Any]:
+    """``eos_token``/``bos_token`` of a source model as strings of ``tokenizer`` (None when it has
+    none, or no tokenizer). The ids in ``configs`` win (``generation_config.json``, then
+    ``config.json``): they are what ``generate`` stops on, and a chat model's end of turn is often
+    not the tokenizer's ``eos_token`` string; but only an id of an added (special) token counts,
+    since a config written with transformers' Llama defaults names ids 1 and 2 whatever they are.
+    Then ``tokenizer_config.json``'s strings. A token the tokenizer does not hold is dropped."""
+    out: dict[str, Any] = {}
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()} if tokenizer is not None else set()
+    for name in ("eos", "bos"):
+        text = None
+        for cfg in configs:
+            i = _first_id(cfg.get(f"{name}_token_id"))
+            token = tokenizer.id_to_token(i) if i is not None and i >= 0 and tokenizer is not None else None
+            if token in added:
+                text = token
+                break
+        if text is None:
+            text = _token_text(tokenizer_config.get(f"{name}_token"))
+        if text is not None and (tokenizer is None or tokenizer.token_to_id(text) is None):
+            text = None
+        out[f"{name}_token"] = text
+    return out
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not readable JSON ({e.__class__.__name__})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _folder_metadata(folder: Path, tokenizer: Any, hf_cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(special tokens, chat template) of a Hugging Face folder: ``chat_template.jinja`` (where
+    transformers 4.50+ saves it) or ``tokenizer_config.json``'s ``chat_template``."""
+    tok_cfg = _optional_json(folder / "tokenizer_config.json")
+    generation = _optional_json(folder / "generation_config.json")
+    jinja = folder / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else _template_text(tok_cfg.get("chat_template"))
+    return special_tokens_of(tokenizer, tok_cfg, generation, hf_cfg), template
+
+
 # ---- reading checkpoints ---------------------------------------------------------------------------
 def _read_safetensors(folder: Path) -> dict[str, Tensor]:
     from safetensors import SafetensorError
@@ -265,13 +345,17 @@ def _load_gguf(folder: Path, gguf_file: str, dtype: torch.dtype | None) -> HFMod
         raise CheckpointError(f"transformers cannot load {folder / gguf_file}: {str(e).splitlines()[0]}") from None
     hf_cfg = hf.config.to_dict()
     cfg, sd = from_hf_state_dict(hf.state_dict(), hf_cfg, dtype)
-    tok = None
+    tok, tok_cfg, template = None, {}, None
     try:
         fast = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
         tok = getattr(fast, "backend_tokenizer", None)
+        tok_cfg = {"eos_token": fast.eos_token, "bos_token": fast.bos_token}
+        template = _template_text(getattr(fast, "chat_template", None))
     except (ValueError, OSError, KeyError, TypeError) as e:  # weights without a usable tokenizer still import
         print(f"archlab: warning: no tokenizer from {gguf_file} ({e.__class__.__name__}: {e})", file=sys.stderr)
-    return HFModel(cfg, sd, tok, hf_cfg, str(folder / gguf_file))
+    generation = hf.generation_config.to_dict() if getattr(hf, "generation_config", None) is not None else {}
+    return HFModel(cfg, sd, tok, hf_cfg, str(folder / gguf_file), special_tokens_of(tok, tok_cfg, generation, hf_cfg),
+                   template)
 
 
 def load_hf(path: str | Path, gguf_file: str | None = None, dtype: torch.dtype | None = torch.float32) -> HFModel:
@@ -303,29 +387,71 @@ def load_hf(path: str | Path, gguf_file: str | None = None, dtype: torch.dtype |
         raise CheckpointError(f"{cfg_path} is not readable JSON ({e.__class__.__name__})") from None
     if not isinstance(hf_cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object")
-    config_from_hf(hf_cfg)  # refuse unsupported models before reading gigabytes of weights
-    cfg, sd = from_hf_state_dict(_read_safetensors(p), hf_cfg, dtype)
-    return HFModel(cfg, sd, _tokenizer_file(p / "tokenizer.json"), hf_cfg, str(p))
+    if hf_cfg.get("model_type") == REMOTE_MODEL_TYPE:
+        cfg = _remote_config(hf_cfg, cfg_path)
+        sd = _remote_state_dict(_read_safetensors(p), p, dtype)
+    else:
+        config_from_hf(hf_cfg)  # refuse unsupported models before reading gigabytes of weights
+        cfg, sd = from_hf_state_dict(_read_safetensors(p), hf_cfg, dtype)
+    tokenizer = _tokenizer_file(p / "tokenizer.json")
+    special, template = _folder_metadata(p, tokenizer, hf_cfg)
+    return HFModel(cfg, sd, tokenizer, hf_cfg, str(p), special, template)
+
+
+# ---- archlab's own remote-code exports (``archlab.convert.hf_remote``) --------------------------------
+REMOTE_MODEL_TYPE = "archlab"
+REMOTE_PREFIX = "model."
+
+
+def _remote_config(hf_cfg: dict[str, Any], where: Path) -> ModelConfig:
+    """The archlab config an ``export-hf`` remote-code folder keeps under ``archlab_model``."""
+    tree = hf_cfg.get("archlab_model")
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{where}: model_type 'archlab' without an 'archlab_model' mapping; "
+                              "not a folder written by archlab export-hf")
+    try:
+        return ModelConfig.from_dict(tree).validate()
+    except ArchlabError as e:
+        raise CheckpointError(f"{where}: its archlab_model is not a valid archlab model config: {e}") from None
+
+
+def _remote_state_dict(sd: dict[str, Tensor], where: Path, dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """archlab's tensors, which a remote-code export stores unchanged under ``model.``."""
+    stray = sorted(k for k in sd if not k.startswith(REMOTE_PREFIX))
+    if stray:
+        raise CheckpointError(f"{where}: tensor {stray[0]} is not under {REMOTE_PREFIX!r}; not a folder written by "
+                              "archlab export-hf")
+    return {k[len(REMOTE_PREFIX):]: (v.to(dtype) if dtype is not None else v) for k, v in sd.items()}
 
 
 def import_hf(src: str | Path, out: str | Path, gguf_file: str | None = None) -> Path:
-    """Convert a Hugging Face checkpoint into an archlab checkpoint directory (``save_model``)."""
+    """Convert a Hugging Face checkpoint (or an archlab remote-code export) into an archlab checkpoint
+    directory, with its tokenizer, special tokens and chat template."""
     from archlab.config import RunConfig
-    from archlab.io.checkpoint import save_model
+    from archlab.infer.loading import CHAT_TEMPLATE_FILE
+    from archlab.io.checkpoint import model_tensors, write_checkpoint
 
     hf = load_hf(src, gguf_file)
     model = build_model_from_hf(hf.config, hf.state_dict)
     run_cfg = RunConfig(model=hf.config)
     run_cfg.train.seq_len = min(run_cfg.train.seq_len, hf.config.max_seq_len)
     run_cfg.validate()
-    extra = {"imported_from": {"source": hf.source, "format": "gguf" if hf.source.endswith(".gguf") else "hf",
+    state = {"config": run_cfg.to_dict(), "config_hash": run_cfg.hash(),
+             "imported_from": {"source": hf.source, "format": "gguf" if hf.source.endswith(".gguf") else "hf",
                                "hf_config": _jsonable(hf.hf_config)}}
+    if hf.tokenizer is not None:  # a token not found is left out: the reader's default stands
+        state["special_tokens"] = {k: v for k in ("eos_token", "bos_token")
+                                   if (v := hf.special_tokens.get(k)) is not None}
     with tempfile.TemporaryDirectory() as tmp:
-        tok_path = None
+        files = {}
         if hf.tokenizer is not None:
-            tok_path = Path(tmp) / "tokenizer.json"
-            hf.tokenizer.save(str(tok_path))
-        return save_model(out, model, run_cfg, tok_path, extra_state=extra)
+            files["tokenizer.json"] = Path(tmp) / "tokenizer.json"
+            hf.tokenizer.save(str(files["tokenizer.json"]))
+        if hf.chat_template is not None:
+            # beside tokenizer.json, where ``archlab serve`` reads it (``infer.loading.chat_template``)
+            files[CHAT_TEMPLATE_FILE] = Path(tmp) / CHAT_TEMPLATE_FILE
+            files[CHAT_TEMPLATE_FILE].write_text(hf.chat_template, encoding="utf-8")
+        return write_checkpoint(Path(out), {"model": model_tensors(model)}, state, files or None)
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
