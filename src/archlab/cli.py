@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: continue from the run directory's latest checkpoint (default); never: "
                         "start from step 0, and fail instead if RUN_DIR already holds a checkpoint "
                         "(nothing is overwritten: choose another --out)")
+    t.add_argument("--init-from", metavar="CKPT",
+                   help="start from a checkpoint's weights (a converted or imported model, another run's): its "
+                        "model config becomes this run's (--set model.* on top must keep the weights' shapes); "
+                        "the optimizer and the schedule start at step 0 (train.init_from)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="validation loss and bits per byte, or zero-shot task accuracy, of a checkpoint",
@@ -254,10 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--final", action="store_true",
                    help="score the run's final evaluation sample (its batch size, sequence length and "
                         "train.final_eval_tokens): reproduces the final loss training recorded; "
-    t.add_argument("--init-from", metavar="CKPT",
-                   help="start from a checkpoint's weights (a converted or imported model, another run's): its "
-                        "model config becomes this run's (--set model.* on top must keep the weights' shapes); "
-                        "the optimizer and the schedule start at step 0 (train.init_from)")
                         "--batches, --batch-size and --seq-len are then unused")
     e.add_argument("--seq-len", type=int_at_least(0, "0 = the training sequence length"), default=0,
                    help="tokens per row, at most the model's context (default: the training sequence length)")
