@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from archlab.eval.harness import Scorer, byte_len, evaluate_items, split_whitespace  # noqa: E402
+from archlab.eval.harness import Scorer, choice_len, evaluate_items, split_whitespace  # noqa: E402
 from archlab.eval.tasks import LambadaItem, MCItem, find_task, load_task  # noqa: E402
 from archlab.convert.hf import build_model_from_hf, from_hf_state_dict  # noqa: E402
 
@@ -66,7 +66,7 @@ def reference_task(items, hf, tok):
         for it in items:
             m = len(it.continuations)
             lp = [s[0] for s in scores[k:k + m]]
-            norm = [v / byte_len(c, x) for v, (x, c) in zip(lp, it.pairs())]
+            norm = [v / max(1, choice_len(c)) for v, (x, c) in zip(lp, it.pairs())]
             k += m
             pred, pred_n = max(range(m), key=lp.__getitem__), max(range(m), key=norm.__getitem__)
             acc += pred == it.gold
@@ -139,7 +139,7 @@ def main() -> int:
             for it, (p, pn) in zip(items, ref_preds):
                 m = len(it.continuations)
                 lp = [s.logprob for s in ours_scores[k:k + m]]
-                norm = [v / byte_len(c, x) for v, (x, c) in zip(lp, it.pairs())]
+                norm = [v / max(1, choice_len(c)) for v, (x, c) in zip(lp, it.pairs())]
                 k += m
                 differ += (max(range(m), key=lp.__getitem__), max(range(m), key=norm.__getitem__)) != (p, pn)
         else:

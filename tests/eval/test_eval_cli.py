@@ -99,4 +99,51 @@ def test_evaluate_checkpoint_matches_the_cli(ckpt, task_dir, capsys):
     code, out, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), "--tasks", "piqa,lambada", "--task-dir",
                              str(task_dir), "--limit", "5", "--json", "--device", "cpu")
     assert code == 0, err
-    assert json.loads(out)["tasks"] == json.loads(json.dumps(results))
+    tasks = json.loads(out)["tasks"]
+    assert {name: r.pop("split") for name, r in tasks.items()} == {"piqa": "file", "lambada": "file"}
+    assert tasks["piqa"].pop("source") == str(task_dir / "piqa.jsonl")
+    tasks["lambada"].pop("source")
+    assert tasks == json.loads(json.dumps(results))
+
+
+def test_eval_output_items_split_and_a_nested_task_dir(ckpt, task_dir, tmp_path, capsys):
+    """--task-dir is searched below its top folder; --output-items holds every choice's score."""
+    from archlab.eval.harness import Scorer
+    from archlab.eval.tasks import load_task
+
+    nested = tmp_path / "a" / "b" / "validation"
+    nested.mkdir(parents=True)
+    (nested / "piqa.jsonl").write_text((task_dir / "piqa.jsonl").read_text())
+    out_file = tmp_path / "items.jsonl"
+    code, out, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), "--tasks", "piqa", "--task-dir", str(tmp_path),
+                             "--limit", "4", "--json", "--device", "cpu", "--output-items", str(out_file))
+    assert code == 0, err
+    res = json.loads(out)["tasks"]["piqa"]
+    assert res["split"] == "validation" and res["source"] == str(nested / "piqa.jsonl")
+    lines = [json.loads(line) for line in out_file.read_text().splitlines()]
+    items = load_task("piqa", nested / "piqa.jsonl", 4)
+    assert [(r["task"], r["split"], r["item"], r["gold"]) for r in lines] == [
+        ("piqa", "validation", i, it.gold) for i, it in enumerate(items)]
+    from archlab.data.tokenizer import load_tokenizer
+    from archlab.io.checkpoint import load_model
+
+    model, _, _ = load_model(ckpt, "cpu")
+    scorer = Scorer(model.eval(), load_tokenizer(ckpt / "tokenizer.json"))
+    for rec, it in zip(lines, items):
+        expect = [s.logprob for s in scorer(it.pairs())]
+        assert rec["loglikelihoods"] == pytest.approx(expect, abs=1e-5)
+        assert rec["pred"] == max(range(len(expect)), key=expect.__getitem__) == it.gold
+    code, _, err = run_cli(capsys, "eval", "--ckpt", str(ckpt), "--tasks", "piqa", "--task-dir", str(tmp_path),
+                           "--output-items", str(tmp_path / "missing" / "x.jsonl"))
+    assert code == 2 and "folder does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_lm_eval_command_without_lm_eval_installed_is_one_line(monkeypatch, capsys):
+    import sys
+
+    # what a missing package looks like to import, even after another test imported it
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] or ["lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "archlab.eval.lm_eval_plugin", raising=False)
+    code, _, err = run_cli(capsys, "lm-eval", "--model", "archlab", "--tasks", "archlab_piqa")
+    assert code == 2 and "pip install 'lm-eval>=0.4.13'" in err and len(err.strip().splitlines()) == 1

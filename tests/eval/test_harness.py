@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from archlab.errors import DataError
-from archlab.eval.harness import (Score, Scorer, byte_len, evaluate, evaluate_lambada, evaluate_mc, stderr)
+from archlab.eval.harness import (Score, Scorer, byte_len, choice_len, evaluate, evaluate_lambada, evaluate_mc, stderr)
 from archlab.eval.tasks import LambadaItem, MCItem
 from tests.eval.conftest import lambada_items, mc_items
 
@@ -104,18 +104,34 @@ def stub(table: dict[tuple[str, str], float], greedy: dict | None = None):
     return ll
 
 
-def test_byte_length_normalisation_differs_from_raw_and_per_char():
-    # raw: " a" wins (-1.0 > -2.0); per byte: -0.5 vs -2/9 = -0.22 -> " abcdefgh" wins
-    a = MCItem("Q:", (" a", " abcdefgh"), gold=1)
-    # per byte " ééé" (7 bytes) -3/7 = -0.43 beats " abcd" -3.2/5 = -0.64; per character it would lose
-    # (-3/4 = -0.75 < -0.64); raw log-likelihood prefers it too
-    b = MCItem("Q:", (" ééé", " abcd"), gold=0)
-    table = {("Q:", " a"): -1.0, ("Q:", " abcdefgh"): -2.0, ("Q:", " ééé"): -3.0, ("Q:", " abcd"): -3.2}
-    res = evaluate_mc([a], stub(table))
-    assert res["acc"] == 0.0 and res["acc_norm"] == 1.0
-    res = evaluate_mc([b], stub(table))
-    assert res["acc"] == 1.0 and res["acc_norm"] == 1.0
+def test_acc_norm_is_lm_evals_per_character_and_per_byte_is_its_own_metric():
+    # The leading space decides: per character of the choice (lm-eval, no space) " abcd" wins,
+    # -3.5/4 = -0.875 > -2/2 = -1.0; per byte as scored (space included) " ab" wins, -2/3 > -3.5/5.
+    space = MCItem("Q:", (" ab", " abcd"), gold=1)
+    # Characters against bytes: per character " abcd" wins (-3.2/4 = -0.8 > -3/3 = -1.0); per
+    # UTF-8 byte " ééé" (7 bytes) wins (-3/7 = -0.43 > -3.2/5 = -0.64).
+    accents = MCItem("Q:", (" ééé", " abcd"), gold=1)
+    # raw log-likelihood prefers the short choice, per character the long one
+    long = MCItem("Q:", (" a", " abcdefgh"), gold=1)
+    table = {("Q:", " ab"): -2.0, ("Q:", " abcd"): -3.5}
+    res = evaluate_mc([space], stub(table))
+    assert (res["acc"], res["acc_norm"], res["acc_per_byte"]) == (0.0, 1.0, 0.0)
+    table = {("Q:", " ééé"): -3.0, ("Q:", " abcd"): -3.2}
+    res = evaluate_mc([accents], stub(table))
+    assert (res["acc"], res["acc_norm"], res["acc_per_byte"]) == (0.0, 1.0, 0.0)
+    table = {("Q:", " a"): -1.0, ("Q:", " abcdefgh"): -2.0}
+    res = evaluate_mc([long], stub(table))
+    assert (res["acc"], res["acc_norm"], res["acc_per_byte"]) == (0.0, 1.0, 1.0)
+    assert choice_len(" ééé") == 3 and choice_len("abc") == 3 and choice_len("  x") == 2
     assert byte_len(" ééé") == 7 and byte_len("x", "ctx\n ") == 3  # trailing context whitespace counts
+
+
+def test_mc_records_hold_every_choice_and_pick():
+    item = MCItem("Q:", (" ab", " abcd"), gold=1)
+    records: list = []
+    evaluate_mc([item], stub({("Q:", " ab"): -2.0, ("Q:", " abcd"): -3.5}), records)
+    assert records == [{"loglikelihoods": [-2.0, -3.5], "greedy": [False, False], "pred": 0, "pred_norm": 1,
+                         "pred_per_byte": 0, "gold": 1}]
 
 
 def test_per_choice_contexts_are_scored_each_with_their_own():
@@ -157,5 +173,6 @@ def test_evaluate_entry_point_reads_files_and_limits(trained_model, tokenizer, w
     assert set(res) == {"piqa", "lambada"}
     assert res["piqa"]["n"] == 5 and res["piqa"]["acc"] == 1.0
     assert res["lambada"]["n"] == 1 and res["lambada"]["acc"] == 1.0
-    assert set(res["piqa"]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}
+    assert set(res["piqa"]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "acc_per_byte",
+                                "acc_per_byte_stderr", "n"}
     assert set(res["lambada"]) == {"acc", "acc_stderr", "ppl", "n"}

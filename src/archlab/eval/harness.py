@@ -13,10 +13,14 @@ Metrics (``evaluate_mc``, ``evaluate_lambada``), each accuracy with its binomial
 ``sqrt(p (1 - p) / n)``:
 
 * multiple choice: ``acc`` picks the choice with the highest summed log-likelihood;
-  ``acc_norm`` the highest log-likelihood per UTF-8 **byte** of the continuation as scored
-  (leading space included) - the byte-length normalisation that keeps long choices from losing
-  for being long and is comparable across tokenizers (OLMES' ``acc_per_byte``; the
-  lm-evaluation-harness ``acc_norm`` divides by characters, identical for ASCII text).
+  ``acc_norm`` the highest log-likelihood per **character** of the choice as lm-evaluation-harness
+  forms it: the continuation without the one leading space that separates it from the context
+  (lm-eval's ``target_delimiter``; ``len(choice)`` over ``doc_to_choice``), so the numbers are
+  lm-eval's own. ``acc_per_byte`` is a different metric kept under its own name: log-likelihood
+  per UTF-8 byte of the continuation as scored, leading space (and any whitespace moved from the
+  context) included - OLMES' ``acc_per_byte``, comparable across tokenizers. The two differ
+  where choices hold non-ASCII text (bytes > characters) or differ in length by a little (the
+  leading space's +1 weighs more on a short choice), and either can change the pick.
 * LAMBADA: ``acc`` counts passages whose last word's tokens (``" " + word``) are all the greedy
   argmax given the passage; ``ppl`` is ``exp(-mean log p(word))``. The two-hop tasks
   (``twohop_id``, ``twohop_ood``) are scored the same way: their ``acc`` is the exact match of
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from archlab.errors import CheckpointError, DataError
-from archlab.eval.tasks import Item, LambadaItem, MCItem, load_tasks, task_spec
+from archlab.eval.tasks import Item, LambadaItem, MCItem, load_tasks
 
 
 class Score(NamedTuple):
@@ -154,33 +158,60 @@ def byte_len(continuation: str, context: str = "") -> int:
     return len(split_whitespace(context, continuation)[1].encode("utf-8"))
 
 
-def evaluate_mc(items: Sequence[MCItem], ll: LogLikelihoodFn) -> dict[str, Any]:
-    """acc (raw log-likelihood), acc_norm (per byte), their standard errors, n."""
+def choice_len(continuation: str) -> int:
+    """Characters of the choice as lm-eval counts them for ``acc_norm``: lm-eval joins context
+    and choice with a one-space ``target_delimiter`` and divides by ``len(choice)``, so the space
+    that archlab's continuations carry in front is not counted."""
+    return len(continuation[1:] if continuation.startswith(" ") else continuation)
+
+
+def mc_item_record(item: MCItem, scores: Sequence[Score]) -> dict[str, Any]:
+    """One multiple-choice item's outcome: per-choice log-likelihoods and the three picks."""
+    lls = [s.logprob for s in scores]
+    per_char = [lp / max(1, choice_len(cont)) for lp, cont in zip(lls, item.continuations)]
+    per_byte = [lp / max(1, byte_len(cont, ctx)) for lp, (ctx, cont) in zip(lls, item.pairs())]
+    return {"loglikelihoods": lls, "greedy": [s.greedy for s in scores], "pred": _argmax(lls),
+            "pred_norm": _argmax(per_char), "pred_per_byte": _argmax(per_byte), "gold": item.gold}
+
+
+def evaluate_mc(items: Sequence[MCItem], ll: LogLikelihoodFn,
+                records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """acc (raw log-likelihood), acc_norm (per character, lm-eval's), acc_per_byte, their
+    standard errors, n; ``records`` (if given) receives ``mc_item_record`` of every item."""
     requests = [p for it in items for p in it.pairs()]
     scores = ll(requests)
     if len(scores) != len(requests):
         raise RuntimeError(f"log-likelihood function returned {len(scores)} scores for {len(requests)} requests")
-    correct = correct_norm = 0
+    hits = {"acc": 0, "acc_norm": 0, "acc_per_byte": 0}
     k = 0
     for it in items:
-        m = len(it.continuations)
-        lps = [s.logprob for s in scores[k:k + m]]
-        norms = [lp / max(1, byte_len(cont, ctx)) for lp, (ctx, cont) in zip(lps, it.pairs())]
-        k += m
-        correct += _argmax(lps) == it.gold
-        correct_norm += _argmax(norms) == it.gold
+        rec = mc_item_record(it, scores[k:k + len(it.continuations)])
+        k += len(it.continuations)
+        hits["acc"] += rec["pred"] == it.gold
+        hits["acc_norm"] += rec["pred_norm"] == it.gold
+        hits["acc_per_byte"] += rec["pred_per_byte"] == it.gold
+        if records is not None:
+            records.append(rec)
     n = len(items)
-    acc, acc_norm = correct / n, correct_norm / n
-    return {"acc": acc, "acc_stderr": stderr(acc, n), "acc_norm": acc_norm,
-            "acc_norm_stderr": stderr(acc_norm, n), "n": n}
+    out: dict[str, Any] = {}
+    for metric, count in hits.items():
+        out[metric] = count / n
+        out[metric + "_stderr"] = stderr(count / n, n)
+    out["n"] = n
+    return out
 
 
-def evaluate_lambada(items: Sequence[LambadaItem], ll: LogLikelihoodFn) -> dict[str, Any]:
-    """acc (last word fully greedy), its standard error, ppl of the last word, n."""
+def evaluate_lambada(items: Sequence[LambadaItem], ll: LogLikelihoodFn,
+                     records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """acc (last word fully greedy), its standard error, ppl of the last word, n; ``records``
+    (if given) receives each item's log-likelihood, greedy flag and target."""
     scores = ll([(it.context, " " + it.target) for it in items])
     n = len(items)
     acc = sum(s.greedy for s in scores) / n
     ppl = math.exp(-sum(s.logprob for s in scores) / n)
+    if records is not None:
+        records.extend({"loglikelihood": s.logprob, "greedy": s.greedy, "n_tokens": s.n_tokens,
+                        "target": it.target} for it, s in zip(items, scores))
     return {"acc": acc, "acc_stderr": stderr(acc, n), "ppl": ppl, "n": n}
 
 
@@ -192,12 +223,14 @@ def _argmax(values: Sequence[float]) -> int:
     return best
 
 
-def evaluate_items(task: str, items: Sequence[Item], ll: LogLikelihoodFn) -> dict[str, Any]:
+def evaluate_items(task: str, items: Sequence[Item], ll: LogLikelihoodFn,
+                   records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The metrics of one task's items (all of one kind: ``tasks.load_task`` checks)."""
     if not items:
         raise DataError(f"task {task!r} has no items to evaluate")
-    if task_spec(task).kind == "mc":
-        return evaluate_mc(items, ll)  # type: ignore[arg-type]
-    return evaluate_lambada(items, ll)  # type: ignore[arg-type]
+    if isinstance(items[0], MCItem):
+        return evaluate_mc(items, ll, records)  # type: ignore[arg-type]
+    return evaluate_lambada(items, ll, records)  # type: ignore[arg-type]
 
 
 def n_requests(items: Sequence[Item]) -> int:
@@ -206,13 +239,19 @@ def n_requests(items: Sequence[Item]) -> int:
 
 def evaluate_tasks(model, tokenizer, loaded: dict[str, Sequence[Item]], *, batch_size: int = 8,
                    device: torch.device | str | None = None,
-                   progress: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]:
+                   progress: Callable[[int], None] | None = None,
+                   records: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, dict[str, Any]]:
     """``evaluate`` on items already loaded (``tasks.load_tasks``); ``progress`` is called with
-    the number of requests (continuations) scored after each batch (``n_requests`` in all)."""
+    the number of requests (continuations) scored after each batch (``n_requests`` in all);
+    ``records`` (if given) receives each task's per-item records (``evaluate_mc``/``_lambada``)."""
     model.eval()
     scorer = Scorer(model, tokenizer, batch_size=batch_size, device=device, progress=progress)
+    out = {}
     with torch.no_grad():
-        return {name: evaluate_items(name, items, scorer) for name, items in loaded.items()}
+        for name, items in loaded.items():
+            per_item = records.setdefault(name, []) if records is not None else None
+            out[name] = evaluate_items(name, items, scorer, per_item)
+    return out
 
 
 def load_checkpoint_for_eval(path, device: torch.device | str = "cpu"):
@@ -230,49 +269,47 @@ def load_checkpoint_for_eval(path, device: torch.device | str = "cpu"):
 
 
 def evaluate_checkpoint(path, loaded: dict[str, Sequence[Item]], *, device: torch.device | str = "cpu",
-                        batch_size: int = 8, progress: Callable[[int], None] | None = None):
+                        batch_size: int = 8, progress: Callable[[int], None] | None = None,
+                        records: dict[str, list[dict[str, Any]]] | None = None):
     """(``{task: metrics}``, checkpoint dir) of a checkpoint on loaded task items; two-hop items
     must be the queries held out of the checkpoint's own training data (``eval.twohop``)."""
     from archlab.eval.twohop import check_items_match_data
 
     model, cfg, ckpt, tok = load_checkpoint_for_eval(path, device)
     check_items_match_data(cfg.data.path, loaded)
-    return evaluate_tasks(model, tok, loaded, batch_size=batch_size, device=device, progress=progress), ckpt
+    return evaluate_tasks(model, tok, loaded, batch_size=batch_size, device=device, progress=progress,
+                          records=records), ckpt
 
 
 def evaluate(model, tokenizer, tasks: str | list[str], task_dir=None, limit: int | None = None,
              batch_size: int = 8, show_progress: bool = False) -> dict[str, dict[str, Any]]:
-    """``{task: {acc, acc_stderr, n, [acc_norm, acc_norm_stderr | ppl]}}`` of an archlab model.
+    """``{task: {acc, acc_stderr, n, [acc_norm, acc_per_byte and their stderr | ppl]}}`` of an archlab model.
 
     ``tasks``: comma-separated names (or ``name=PATH``) or a list; ``task_dir``: where to find
     them (``tasks.find_task``); ``limit``: the first N items of each task.
     """
-    loaded = load_tasks(tasks, task_dir, limit)
-    if not show_progress:
-        return evaluate_tasks(model, tokenizer, loaded, batch_size=batch_size)
-    model.eval()
-    results: dict[str, dict[str, Any]] = {}
-    from rich.progress import Progress
+    from archlab.eval.progress import task_progress
 
-    with Progress(transient=True) as bar:
-        for name, items in loaded.items():
-            job = bar.add_task(name, total=n_requests(items))
-            scorer = Scorer(model, tokenizer, batch_size=batch_size,
-                            progress=lambda k, job=job: bar.advance(job, k))
-            results[name] = evaluate_items(name, items, scorer)
-    return results
+    loaded = load_tasks(tasks, task_dir, limit)
+    with task_progress(loaded, enabled=show_progress) as progress:
+        return evaluate_tasks(model, tokenizer, loaded, batch_size=batch_size, progress=progress)
 
 
 def results_table(results: dict[str, dict[str, Any]], title: str = "zero-shot accuracy"):
-    """A rich table: task, n, acc +- stderr, acc_norm +- stderr, LAMBADA ppl."""
+    """A rich table: task, split (when the results name it), n, acc +- stderr, acc_norm +- stderr,
+    acc_per_byte, LAMBADA ppl."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("task", "n", "acc", "acc_norm", "ppl"):
-        table.add_column(col, justify="left" if col == "task" else "right")
+    with_split = any("split" in r for r in results.values())
+    for col in ("task", "split", "n", "acc", "acc_norm", "acc_per_byte", "ppl"):
+        if col != "split" or with_split:
+            table.add_column(col, justify="left" if col in ("task", "split") else "right")
     for name, r in results.items():
         acc = f"{r['acc']:.4f} ± {r['acc_stderr']:.4f}"
         norm = f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f}" if "acc_norm" in r else "-"
+        per_byte = f"{r['acc_per_byte']:.4f}" if "acc_per_byte" in r else "-"
         ppl = f"{r['ppl']:.2f}" if "ppl" in r else "-"
-        table.add_row(name, f"{r['n']:,}", acc, norm, ppl)
+        split = [r.get("split", "-")] if with_split else []
+        table.add_row(name, *split, f"{r['n']:,}", acc, norm, per_byte, ppl)
     return table

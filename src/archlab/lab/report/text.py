@@ -309,7 +309,9 @@ COSTS_NOTE = (
 
 DOWNSTREAM_NOTE = (
     "Zero-shot accuracy of each run's final checkpoint: acc_norm (the choice with the highest "
-    "log-likelihood per byte) for multiple-choice tasks, acc (the target greedily right, exact match) "
+    "log-likelihood per character of the choice, lm-evaluation-harness' definition; scores stored "
+    "before archlab 2026-12-02 divided by the UTF-8 bytes of the continuation with its leading "
+    "space) for multiple-choice tasks, acc (the target greedily right, exact match) "
     "for LAMBADA-style tasks. Mean over seeds ± its standard error over seeds (sample standard "
     "deviation / √seeds); † a single seed: the binomial standard error over the task's items "
     "instead. The results table gives the variant's difference against the baseline's mean in "
