@@ -29,6 +29,10 @@ actually spends on average; prefill and decode run every visit. A component only
 Follower rows (the decode branch's) add rows, not weights: prefill is the primary's alone,
 decode and training run ``1 + followers`` rows; followers compute no keys/values and read no
 extra weights but their embedding row and the coupling vectors.
+
+Full rows per token (Hidden Decoding's streams) are stated by the rows kind's ``per_token_parts``:
+it scales each part's FLOPs and KV elements to every row a token runs (prefill, decode and
+training alike), which is why they are not followers.
 """
 
 from __future__ import annotations
@@ -92,7 +96,10 @@ def parts(cfg: ModelConfig) -> list[Part]:
                 # a tied table is read whole as the unembedding
                 decode_params=(lambda batch: V * final) if cfg.tie_embeddings else None)
     out.append(Part("head", None, head))
-    return out
+    # A rows kind that runs several full rows per token (Hidden Decoding's streams: each computes
+    # keys/values, some layers attend across them) restates the parts' per-token work itself.
+    per_token = getattr(cfg.variant("rows").load(), "per_token_parts", None)
+    return out if per_token is None else per_token(cfg, out)
 
 
 def followers(cfg: ModelConfig) -> int:

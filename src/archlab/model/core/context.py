@@ -9,7 +9,9 @@ describes them with a ``Pass``, which the few components that care consult:
 * coupling sites call ``tap(ctx.visit, name, x)`` (``q``, ``u``, ``m``), which lets followers read
   the primary's activation at the same visit and position;
 * values that followers reuse instead of computing go through ``share(ctx.visit, name, x)``
-  (``kv``: the keys/values, ``experts``: MoE router replay).
+  (``kv``: the keys/values, ``experts``: MoE router replay);
+* attention hands its rotated queries, keys and values to ``attend``, which a pass whose rows
+  are parts of one sequence (Hidden Decoding's streams) overrides to attend across rows.
 
 A pass may also append *query-only rows* to the end of the time axis (``appended`` of them, the
 run's last positions): a run of [B, T + a] positions whose first T are the ordinary rows. An
@@ -69,6 +71,14 @@ class Pass:
         [B, appended, ...]."""
         rows = torch.arange(x.shape[0], device=x.device)[:, None]
         return x[rows, self.appended_positions]
+
+    def attend(self, visit: int, attention: Any, q: Tensor, k: Tensor, v: Tensor, ctx: "Context", lead: int,
+               q_tail: Tensor | None) -> Tensor:
+        """The attention of visit ``visit``'s queries over keys/values already rotated and
+        written to any cache (``attention``: the layer's ``Attention``). Every row is its own
+        sequence here; a rows kind whose rows are parts of one sequence (the streams of Hidden
+        Decoding, which some layers mix) attends across rows instead."""
+        return attention._attend(q, k, v, ctx, lead, q_tail)
 
 
 PLAIN = Pass()

@@ -280,7 +280,9 @@ class Transformer(nn.Module):
         # One entry per visit: a layer run twice computes its keys/values from two hidden states.
         shapes = [(s.n_kv_heads, s.head_dim) for s in self.visit_specs]
         ref = self.lm_head.weight
-        return KVCache(shapes, batch, max_len, device or ref.device, dtype or ref.dtype)
+        # A rows kind that caches several rows per token (Hidden Decoding's streams) asks for
+        # that many cache rows per sequence.
+        return KVCache(shapes, self.rows.cache_batch(batch), max_len, device or ref.device, dtype or ref.dtype)
 
     def cache_context(self, cache: KVCache, positions: Tensor, cache_rows: Tensor | None = None) -> Context:
         """A run of tokens at ``positions`` [B, T] that attends to the cache: each query sees its

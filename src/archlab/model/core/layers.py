@@ -423,7 +423,7 @@ class Attention(nn.Module):
         if ctx.cache is not None and ctx.mask is not None:  # attend over the cache, not the run's own K/V
             k, v = ctx.cache.layer(ctx.visit, ctx.cache_rows)
         k, v = ctx.rows.share(ctx.visit, "kv", (k, v) if k is not None else None)
-        o = self._attend(q, k, v, ctx, lead, q_tail)
+        o = ctx.rows.attend(ctx.visit, self, q, k, v, ctx, lead, q_tail)
         return self.wo(o.transpose(1, 2).reshape(rows, o.shape[2], self.q_dim))
 
     def _grouped_decode(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, g: int) -> Tensor:

@@ -58,6 +58,10 @@ class PrimaryRows(nn.Module):
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
         return Cost()
 
+    def cache_batch(self, sequences: int) -> int:
+        """KV-cache rows for ``sequences`` sequences: one each (their rows' keys/values)."""
+        return sequences
+
     # ---- running --------------------------------------------------------------------------------
     # ``exit_after`` (early exit): every run over the layers stops after that many visits.
     def forward(self, model: "Transformer", idx: Tensor, ctx: Context, followers: bool = True,
