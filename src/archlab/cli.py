@@ -125,7 +125,8 @@ def cmd_eval(args) -> int:
     exit_ = "" if args.exit_layer is None else f", exit after layer visit {args.exit_layer}"
     print(f"{result['checkpoint']} on {result['data']} (val split{', final sample' if args.final else ''}{exit_}): "
           f"loss {result['loss']:.4f}{se} nats/token, "
-          f"{result['bpb']:.4f} bits/byte over {result['tokens']:,} tokens ({result['bytes']:,} bytes)")
+          f"{result['bpb']:.4f} bits/byte{' (an upper bound: the negative ELBO)' if result.get('bound') else ''} "
+          f"over {result['tokens']:,} tokens ({result['bytes']:,} bytes)")
     if result["tokens"] < result["tokens_requested"] and not args.final:
         print(f"note: the val split ends before the {result['tokens_requested']:,} tokens asked for "
               f"(--batches x --batch-size x seq-len); each token was scored once, none wrapped", file=sys.stderr)

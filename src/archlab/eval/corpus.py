@@ -11,6 +11,11 @@ prefix's tokens differ from the average (a few percent on real corpora). The los
 over scored target tokens, each counted once: windows never wrap past the end of the split
 (``TokenData.val_batches``), and ``tokens`` says how many were scored.
 
+A model whose loss is a bound (``model.objective: uniform-diffusion``: its negative ELBO, one
+Monte-Carlo draw of noise level and noise per window) gives an unbiased estimate of an upper bound
+on bits per byte, whose draws add to ``se``: the score is flagged ``bound`` and names its bits per
+byte ``bpb_bound`` too.
+
 A checkpoint is measured on another corpus only when that corpus was tokenized with the
 checkpoint's own tokenizer (``archlab data prepare --tokenizer CKPT``): the same ids with another
 vocabulary would be a meaningless number, so a mismatch is one ``DataError`` line.
@@ -47,6 +52,9 @@ class CorpusScore:
     se: float | None = None
     batch_nats: tuple[float, ...] = ()  # per batch: summed loss (nats) and tokens scored, so that
     batch_tokens: tuple[int, ...] = ()  # two models on the same sample give a paired error
+    #: ``loss`` and ``bpb`` are upper bounds (a diffusion model's ELBO), not exact likelihoods;
+    #: ``as_dict`` then names the bits per byte ``bpb_bound`` as well
+    bound: bool = False
 
     @property
     def clipped(self) -> bool:
@@ -57,6 +65,8 @@ class CorpusScore:
         """As plain JSON values (the per-batch tuples as lists, as ``--json`` prints them)."""
         out = asdict(self)
         out["batch_nats"], out["batch_tokens"] = list(self.batch_nats), list(self.batch_tokens)
+        if self.bound:
+            out["bpb_bound"] = self.bpb
         return out
 
 
@@ -78,6 +88,7 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
     batches = data.val_batches(n_batches, batch_size, seq_len)
     # Per batch: nats, tokens, bytes (summed over ranks once, at the end, as one vector)
     sums = [0.0] * (3 * len(batches))
+    bound = False
     try:
         for i, (x, y) in enumerate(batches):
             counted = True
@@ -90,6 +101,7 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
                 # exit_after only when asked: any model with the (tokens, targets) call is scored
                 out = (model(x.to(device), y.to(device)) if exit_after is None
                        else model(x.to(device), y.to(device), exit_after=exit_after))
+            bound = bound or bool(getattr(out, "nll_is_bound", False))
             if counted:
                 # nll is the mean over this batch's targets; the last batch may be smaller, so
                 # weight by its size to get the mean over all scored tokens.
@@ -105,7 +117,7 @@ def score_validation(model: torch.nn.Module, data: Any, n_batches: int, batch_si
     return CorpusScore(loss=nats / tokens, bpb=nats / math.log(2) / n_bytes, tokens=tokens, bytes=n_bytes,
                        tokens_requested=n_batches * batch_size * seq_len, batches=len(batches),
                        se=sampling_se(nats_b, tokens_b), batch_nats=tuple(nats_b),
-                       batch_tokens=tuple(int(t) for t in tokens_b))
+                       batch_tokens=tuple(int(t) for t in tokens_b), bound=bound)
 
 
 def final_sample_batches(train: Any) -> int:

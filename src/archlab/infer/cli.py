@@ -37,6 +37,8 @@ def cmd_generate(args) -> int:
     started = time.perf_counter()
     model, tok, eos, _ = load_for_inference(args.ckpt, args.device, args.dtype)
     loaded = time.perf_counter()
+    if hasattr(model.rows, "sample") or args.diffusion_steps is not None:  # a model that samples whole sequences
+        return generate_by_denoising(args, model, tok, eos, loaded - started)
     compiled = use_compile(args.compile, model.lm_head.weight.device.type, args.max_new_tokens)
     engine = Engine(model, slots=len(args.prompt), speculate=speculate, compile=compiled)
     ctx = engine.max_len  # speculation keeps one slot of the model's context (infer.speculative)
@@ -66,6 +68,43 @@ def cmd_generate(args) -> int:
         print(f"speculative: {spec.draft_tokens} draft tokens per step from {spec.draft_layers} of "
               f"{len(model.visits)} layer visits: acceptance {stats.acceptance:.1%} ({stats.accepted} of "
               f"{stats.drafted} drafted tokens), {stats.tokens_per_step:.2f} tokens per verify step", file=sys.stderr)
+    return 0
+
+
+def generate_by_denoising(args, model, tok, eos, load_s: float) -> int:
+    """``generate`` for a ``model.objective: uniform-diffusion`` checkpoint: ``--diffusion-steps``
+    reverse steps from uniform noise over the longest prompt and ``--max-new-tokens`` more
+    positions. Each prompt stays fixed at its row's start and the denoiser fills in the rest; the
+    ``--max-new-tokens`` after the prompt are printed."""
+    import time
+
+    import torch
+
+    sample = getattr(model.rows, "sample", None)
+    if sample is None:
+        raise UsageError("--diffusion-steps samples a model.objective uniform-diffusion checkpoint; this one "
+                         "predicts the next token (leave --diffusion-steps out)")
+    if args.diffusion_steps is None:
+        raise UsageError("this checkpoint is a model.objective uniform-diffusion denoiser, which samples whole "
+                         "sequences: give --diffusion-steps N (reverse steps from noise to text)")
+    if args.speculate is not None or args.draft_layers is not None:
+        raise UsageError("--speculate drafts tokens left to right; a diffusion model samples whole sequences")
+    prompts = [tok.encode(p).ids for p in args.prompt]
+    length = max(len(p) for p in prompts) + args.max_new_tokens
+    context = model.cfg.max_seq_len
+    if length > context:
+        raise UsageError(f"the longest prompt ({length - args.max_new_tokens} tokens) and --max-new-tokens "
+                         f"({args.max_new_tokens}) must fit the model's context of {context} tokens")
+    generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(args.seed)
+    t0 = time.perf_counter()
+    tokens = sample(model, prompts, length, args.diffusion_steps, args.temperature, generator).tolist()
+    wall = time.perf_counter() - t0
+    for text, p, row in zip(args.prompt, prompts, tokens):
+        print(text + tok.decode([t for t in row[len(p):len(p) + args.max_new_tokens] if t != eos]))
+        if len(args.prompt) > 1:
+            print("-" * 40)
+    print(f"{args.max_new_tokens} tokens per row by {args.diffusion_steps} denoising steps over {length} positions "
+          f"and {len(prompts)} row(s) in {wall:.2f} s after loading in {load_s:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -322,6 +361,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compile the decode step and prefill with torch.compile (faster steps, seconds to "
                         f"compile); auto: on CUDA for --max-new-tokens >= {AUTO_COMPILE_MIN_STEPS}, else eager "
                         "(on CUDA still a captured CUDA graph); the same greedy tokens either way")
+    g.add_argument("--diffusion-steps", type=positive_int, metavar="N",
+                   help="a model.objective uniform-diffusion checkpoint (required for one, refused for others): "
+                        "N reverse steps from uniform noise to text over the prompt and --max-new-tokens "
+                        "positions, the prompt held fixed; --temperature scales the denoiser's logits, "
+                        "--top-k/--top-p/--stop/--compile do not apply")
     _speculative_args(g)
     _inference_args(g)
     g.set_defaults(func=cmd_generate)

@@ -10,7 +10,8 @@ including MFU and iso-FLOP budgets):
   is the number of keys it attends to. Prefill and training count the causal triangle exactly:
   position ``t`` (0-based) attends to ``t + 1`` keys, so the mean over a sequence of length ``S``
   is ``(S + 1) / 2``. Decode at context ``C`` attends to ``C`` keys (the new token included).
-* Training FLOPs are 3x the forward (backward = 2x forward).
+* Training FLOPs are 3x the forward (backward = 2x forward). A model trained with bidirectional
+  attention (``model.objective: uniform-diffusion``) attends to all ``S`` keys at every position.
 * ``mfu_flops_per_token`` is the PaLM/nanoGPT convention ``6 N + 12 L q_dim T`` (non-causal
   attention), so MFU figures are comparable with the literature and with the anchor script.
 * Decode bytes per step: every weight the step uses is read once (embedding tables only one row
@@ -142,8 +143,11 @@ def decode_flops_per_token(cfg: ModelConfig, context: int, ps: list[Part] | None
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, ps: list[Part] | None = None) -> float:
-    """The mean over the run: a visit layer dropout drops counts by its mean keep probability."""
-    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2, ps, training=True)
+    """The mean over the run: a visit layer dropout drops counts by its mean keep probability.
+    A rows kind that attends in both directions in training (uniform diffusion) says how many
+    keys a row sees (``training_keys``: all ``seq_len``); else the causal triangle's mean."""
+    keys = getattr(cfg.variant("rows").load(), "training_keys", None)
+    return 3 * _all_rows_flops(cfg, (seq_len + 1) / 2 if keys is None else keys(seq_len), ps, training=True)
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

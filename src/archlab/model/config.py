@@ -48,6 +48,9 @@ class ModelConfig:
     init: str = "normal"
     ffn: str = "swiglu"
     schedule: str = "sequential"
+    #: what the model is trained to do: ``autoregressive`` (next-token prediction) or a rows kind
+    #: that is an objective of its own (its options' ``OBJECTIVE``: ``uniform-diffusion``)
+    objective: str = "autoregressive"
 
     def __init__(self, **values: Any) -> None:
         """Core fields by name; variant sections by their section name (``moe=MoEConfig(...)``)."""
@@ -79,8 +82,8 @@ class ModelConfig:
 
     @classmethod
     def slot_fields(cls) -> list[str]:
-        """The fields that name a slot's kind."""
-        return [s.key for s in registry.SLOTS.values() if s.key is not None and "." not in s.key]
+        """The fields that name a slot's kind (``objective`` too: another objective is a rows kind)."""
+        return [s.key for s in registry.SLOTS.values() if s.key is not None and "." not in s.key] + ["objective"]
 
     @classmethod
     def allowed_keys(cls) -> list[str]:
@@ -108,6 +111,10 @@ class ModelConfig:
             d = dataclasses.asdict(value)
             if full or name in used or d != dataclasses.asdict(type(value)()):
                 out[name] = d
+        if not full and self.objective == "autoregressive":
+            # the default objective is left out, so that every config hashes as it did before
+            # the key existed
+            del out["objective"]
         return out
 
     # ---- derived sizes (the baseline's; per-layer sizes come from model.core.spec) -----------------
@@ -156,6 +163,12 @@ class ModelConfig:
               f"must be a positive finite number, got {self.rope_theta}")
         check(self.max_seq_len > 0, "model.max_seq_len", "must be positive")
         check(self.norm_eps > 0 and math.isfinite(self.norm_eps), "model.norm_eps", "must be positive")
+        # An objective other than next-token prediction is a rows kind that says so (its options'
+        # OBJECTIVE) and switches itself on when this key names it.
+        rows_kinds = registry.variants("rows").values()
+        objectives = ["autoregressive"] + sorted(v.options.OBJECTIVE for v in rows_kinds if hasattr(v.options, "OBJECTIVE"))
+        check(self.objective in objectives, "model.objective",
+              f"must be one of {', '.join(objectives)}, got {self.objective!r}")
         chosen = registry.chosen(self)  # every kind registered, no excluded pair
         # The core keys the KV cache, the residual sites, the rows' taps and the per-run costs by
         # visit, so a schedule may reorder, repeat (loop) or skip layers; it must name real layers.

@@ -48,6 +48,8 @@ class ModelOutput:
     loss: Tensor | None = None  # training objective (NLL + auxiliary losses)
     nll: Tensor | None = None  # the readout's negative log-likelihood alone
     aux_loss: Tensor | None = None
+    #: ``nll`` is an upper bound on the negative log-likelihood (an ELBO), not its exact value
+    nll_is_bound: bool = False
 
 
 @dataclass
@@ -263,11 +265,18 @@ class Transformer(nn.Module):
         ``followers=False`` runs the primary rows alone (the baseline's function);
         ``exit_after``: read out after that many visits (early exit, ``run``)."""
         ctx = Context(rope=self.position.tables(idx.shape[1]))
-        logits, extra = self.rows(self, idx, ctx, followers=followers, exit_after=exit_after)
-        out = ModelOutput(logits=logits, extra_logits=extra)
+        # A rows kind that is a training objective of its own (``model.objective``: uniform
+        # diffusion) scores the clean targets itself rather than predicting them from ``idx``.
+        own = getattr(self.rows, "objective_nll", None) if targets is not None else None
+        if own is not None:
+            logits, nll = own(self, targets, ctx, exit_after)
+            out = ModelOutput(logits=logits, nll_is_bound=True)
+        else:
+            logits, extra = self.rows(self, idx, ctx, followers=followers, exit_after=exit_after)
+            out = ModelOutput(logits=logits, extra_logits=extra)
         out.aux_loss = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
         if targets is not None:
-            out.nll = self.rows.nll(logits, extra, targets)
+            out.nll = nll if own is not None else self.rows.nll(logits, extra, targets)
             out.loss = out.nll if out.aux_loss is None else out.nll + out.aux_loss
         return out
 
