@@ -40,11 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from archlab.config import make_config  # noqa: E402
-from archlab.infer.bench import as_dict, bench_decode, bench_prefill, copy_bandwidth, prompt_tokens  # noqa: E402
+from archlab.infer.bench import (as_dict, baseline_and_branch, bench_decode, bench_prefill,  # noqa: E402
+                                 copy_bandwidth, prompt_tokens)
 from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
-from archlab.model import build_model  # noqa: E402
 from archlab.kernels import decode_attention  # noqa: E402
 from archlab.model.core import layers  # noqa: E402
 
@@ -63,16 +62,7 @@ def use(mode: str) -> None:
 
 def models(preset: str, max_len: int, extra: list[str]):
     """(baseline, decode-branch) in bf16 on CUDA, the baseline holding the branch model's weights."""
-    over = [f"model.max_seq_len={max_len}", *extra]
-    torch.manual_seed(0)
-    branch = build_model(make_config(preset, overrides=[*over, "model.branch.enabled=true"]).model)
-    for n, p in branch.named_parameters():
-        if ".couple_" in n:
-            torch.nn.init.normal_(p, 0.0, 0.02)
-    base = build_model(make_config(preset, overrides=over).model)
-    base.load_state_dict({k: v for k, v in branch.state_dict().items() if k in base.state_dict()})
-    dev = torch.device("cuda")
-    return base.to(dev, torch.bfloat16).eval(), branch.to(dev, torch.bfloat16).eval()
+    return baseline_and_branch(preset, max_len, extra, torch.device("cuda"), torch.bfloat16)
 
 
 def profile_decode(model, context: int, steps: int = 20) -> dict:

@@ -25,23 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from archlab.config import make_config  # noqa: E402
-from archlab.infer.bench import as_dict, paired_ttft  # noqa: E402
-from archlab.model import build_model  # noqa: E402
-
-
-def models(preset: str, max_len: int, device: torch.device):
-    """(baseline, decode-branch), the baseline holding the branch model's shared weights."""
-    over = [f"model.max_seq_len={max_len}"]
-    torch.manual_seed(0)
-    branch = build_model(make_config(preset, overrides=[*over, "model.branch.enabled=true"]).model)
-    for name, p in branch.named_parameters():
-        if ".couple_" in name:
-            torch.nn.init.normal_(p, 0.0, 0.02)
-    base = build_model(make_config(preset, overrides=over).model)
-    base.load_state_dict({k: v for k, v in branch.state_dict().items() if k in base.state_dict()})
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return base.to(device, dtype).eval(), branch.to(device, dtype).eval()
+from archlab.infer.bench import as_dict, baseline_and_branch, paired_ttft  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +39,8 @@ def main() -> None:
     rows = []
     with torch.no_grad():
         for preset in args.presets.split(","):
-            base, branch = models(preset, max(args.prompt + 16, 1024), device)
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            base, branch = baseline_and_branch(preset, max(args.prompt + 16, 1024), [], device, dtype)
             r = as_dict(paired_ttft(base, branch, args.prompt, pairs=args.pairs))
             rows.append({"preset": preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                          else "cpu", **r})

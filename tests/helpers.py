@@ -66,3 +66,14 @@ def assert_same_function_bitwise(a, b, x) -> None:
     out_b.loss.backward()
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def assert_config_refused(build, overrides, start: str) -> None:
+    """``build(*overrides)`` raises one ``config error:`` line starting with ``start`` (what the
+    CLI prints for a bad option, exit code 2)."""
+    from archlab.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        build(*overrides)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("config error: " + start), message

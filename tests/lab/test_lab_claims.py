@@ -3,6 +3,7 @@ concurrent compares on one suite directory. Real processes and real signals thro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,6 +50,25 @@ def wait_for(check, what: str, proc: subprocess.Popen | None = None, timeout: fl
                                  f"{proc.stderr.read() if proc.stderr else ''}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def hanging_compare(child: str, suite_file: Path, out: Path, marker: Path):
+    """Python ``child`` run with (suite file, out, marker): a compare whose two ``--jobs`` workers
+    hang after their step-20 checkpoints, each writing "RUN PID" to ``marker``. Yields (the
+    process, {run: worker pid}) once both hang; kills whatever a failure left behind."""
+    proc = subprocess.Popen([sys.executable, "-c", child, str(suite_file), str(out), str(marker)],
+                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        wait_for(lambda: marker.exists() and len(marker.read_text().splitlines()) == 2, "two hanging workers", proc)
+        hanging = dict(line.split() for line in marker.read_text().splitlines())
+        workers += [int(pid) for pid in hanging.values()]
+        yield proc, hanging
+    finally:
+        for pid in [proc.pid, *workers]:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_process_identity() -> None:
@@ -156,21 +176,12 @@ with ResultStore(out / DB_NAME) as store:
 
 def test_kill_9_of_a_parallel_compare_takes_its_workers_and_leaves_runs_interrupted(tmp_path: Path) -> None:
     suite_file, out, marker = write_suite(tmp_path), tmp_path / "out", tmp_path / "hanging"
-    proc = subprocess.Popen([sys.executable, "-c", PARALLEL_CHILD, str(suite_file), str(out), str(marker)],
-                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    workers: list[int] = []
-    try:
-        wait_for(lambda: marker.exists() and len(marker.read_text().splitlines()) == 2, "two hanging workers", proc)
-        hanging = dict(line.split() for line in marker.read_text().splitlines())
+    with hanging_compare(PARALLEL_CHILD, suite_file, out, marker) as (proc, hanging):
         workers = [int(pid) for pid in hanging.values()]
         assert len(set(workers)) == 2 and proc.pid not in workers
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         wait_for(lambda: all(gone(pid) for pid in workers), "the orphaned workers to die", timeout=5.0)
-    finally:
-        for pid in [proc.pid, *workers]:  # whatever a failure left behind
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
 
     # Nothing trains the two runs now: the report and the plan say interrupted, not running.
     plan = build_plan(load_suite(suite_file), out, costs_fn=fake_costs)

@@ -389,22 +389,13 @@ def test_sigterm_stops_a_parallel_compare_cleanly_and_its_runs_resume(tmp_path: 
     """SIGTERM unwinds like Ctrl-C: the workers are stopped, the process exits with the one line
     an interrupt gets (no traceback, no multiprocessing warning of leaked semaphores, which a
     process killed in the signal leaves to its resource tracker), and the next compare resumes."""
-    from tests.lab.test_lab_claims import gone, wait_for
+    from tests.lab.test_lab_claims import gone, hanging_compare
 
     suite_file, out, marker = write_suite(tmp_path), tmp_path / "out", tmp_path / "hanging"
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, str(suite_file), str(out), str(marker)],
-                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    workers: list[int] = []
-    try:
-        wait_for(lambda: marker.exists() and len(marker.read_text().splitlines()) == 2, "two hanging workers", proc)
-        hanging = dict(line.split() for line in marker.read_text().splitlines())
+    with hanging_compare(SIGTERM_CHILD, suite_file, out, marker) as (proc, hanging):
         workers = [int(pid) for pid in hanging.values()]
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        for pid in [proc.pid, *workers]:  # whatever a failure left behind
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "leaked semaphore" not in err and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "archlab: interrupted; finished work and the last checkpoint are kept"

@@ -13,12 +13,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from archlab.convert.conversion import build_converted, function_change, open_conversion, save_conversion
+from archlab.errors import CheckpointError, ConfigError
 from archlab.model.config import ModelConfig
 from archlab.model.core.spec import n_visits
-from archlab.errors import CheckpointError, ConfigError
 
 RESIDUAL_PREFIX = "residual."
 
@@ -75,34 +75,15 @@ def convert_checkpoint(ckpt: str | Path, out: str | Path, heads: int = 4, groups
     The converted model is checked before anything is written: its logits on a short token
     sequence must equal the original's exactly. Returns a summary (paths, sizes, the check).
     """
-    from archlab.model import build_model
-    from archlab.io.checkpoint import load_model, save_model
-
-    out = Path(out)
-    model, run_cfg, ckpt_dir = load_model(ckpt)
-    if out.resolve() == ckpt_dir.resolve():
-        raise CheckpointError(f"--out {out} is the input checkpoint; write the conversion elsewhere")
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; pass --overwrite to replace it")
-    model.eval()
+    model, run_cfg, ckpt_dir = open_conversion(ckpt, out, overwrite)
     new_cfg, new_sd = to_delta_mhar(model.state_dict(), run_cfg.model, heads=heads, groups=groups)
-    new_model = build_model(new_cfg).eval()
-    new_model.load_state_dict(new_sd, strict=True)
-
-    cfg = run_cfg.model
-    n = min(32, cfg.max_seq_len)
-    idx = (torch.arange(2 * n).view(2, n) * 7919 % cfg.vocab_size).long()
-    with torch.no_grad():
-        a, b = model(idx), new_model(idx)
-        diff = float((model.log_probs(a) - new_model.log_probs(b)).abs().max())
+    new_model = build_converted(new_cfg, new_sd)
+    diff = function_change(model, new_model, run_cfg.model)
     if diff != 0.0:
-        raise RuntimeError(f"delta conversion changed the model's function (max |dlogit| = {diff}); "
+        raise RuntimeError(f"delta conversion changed the model's function (max |dlogp| = {diff}); "
                            "this is a bug in archlab")
-
-    new_run = dataclasses.replace(run_cfg, model=new_cfg)
-    tokenizer = ckpt_dir / "tokenizer.json"
-    save_model(out, new_model, new_run, tokenizer_path=tokenizer if tokenizer.is_file() else None,
-               extra_state={"converted_from": str(ckpt_dir), "conversion": "delta-mhar"})
+    save_conversion(out, new_model, run_cfg, new_cfg, ckpt_dir, "delta-mhar")
+    cfg = run_cfg.model
     added = new_parameter_names(new_cfg)
     return {
         "input": str(ckpt_dir),

@@ -18,9 +18,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from archlab.convert.conversion import build_converted, function_change, open_conversion, save_conversion
 from archlab.errors import CheckpointError, ConfigError
 from archlab.model import registry
 from archlab.model.config import ModelConfig
@@ -61,33 +61,16 @@ def convert_checkpoint(ckpt: str | Path, out: str | Path, streams: int, mix_laye
     Before anything is written, the converted model's log-probabilities on a short token sequence
     are compared with the original's: within ``EXACT_TOLERANCE`` when it has at most one mixing
     layer (else this is a bug), and reported either way. Returns a summary."""
-    from archlab.io.checkpoint import load_model, save_model
-    from archlab.model import build_model
-
-    out = Path(out)
-    model, run_cfg, ckpt_dir = load_model(ckpt)
-    if out.resolve() == ckpt_dir.resolve():
-        raise CheckpointError(f"--out {out} is the input checkpoint; write the conversion elsewhere")
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; pass --overwrite to replace it")
-    model.eval()
+    model, run_cfg, ckpt_dir = open_conversion(ckpt, out, overwrite)
     new_cfg, new_sd = to_hidden(model.state_dict(), run_cfg.model, streams, mix_layers)
-    new_model = build_model(new_cfg).eval()
-    new_model.load_state_dict(new_sd, strict=True)
-
+    new_model = build_converted(new_cfg, new_sd)
+    diff = function_change(model, new_model, run_cfg.model)
     cfg = run_cfg.model
-    n = min(32, cfg.max_seq_len)
-    idx = (torch.arange(2 * n).view(2, n) * 7919 % cfg.vocab_size).long()
-    with torch.no_grad():
-        diff = float((model.log_probs(model(idx)) - new_model.log_probs(new_model(idx))).abs().max())
     mixing = sorted(new_cfg.hidden_decoding.mixing(cfg.n_layers))
     if len(mixing) <= 1 and diff > EXACT_TOLERANCE:
         raise RuntimeError(f"hidden conversion changed the model's function (max |dlogp| = {diff}); "
                            "this is a bug in archlab")
-
-    save_model(out, new_model, dataclasses.replace(run_cfg, model=new_cfg),
-               tokenizer_path=ckpt_dir / "tokenizer.json" if (ckpt_dir / "tokenizer.json").is_file() else None,
-               extra_state={"converted_from": str(ckpt_dir), "conversion": f"hidden-{streams}"})
+    save_conversion(out, new_model, run_cfg, new_cfg, ckpt_dir, f"hidden-{streams}")
     return {
         "input": str(ckpt_dir),
         "output": str(out),

@@ -233,5 +233,24 @@ def paired_ttft(model_a, model_b, prompt: int, pairs: int = 30, warm: int = 3) -
     return summarise_pairs(prompt, *times)
 
 
+def baseline_and_branch(preset: str, max_len: int, overrides: list[str], device: torch.device,
+                        dtype: torch.dtype):
+    """(baseline, decode-branch) of a preset for latency comparisons: the baseline holds the
+    branch model's shared weights, and the branch's coupling vectors are random (trained ones are
+    non-zero; at their zero init the branch rows would cost the same but compute nothing new)."""
+    from archlab.config import make_config
+    from archlab.model import build_model
+
+    over = [f"model.max_seq_len={max_len}", *overrides]
+    torch.manual_seed(0)
+    branch = build_model(make_config(preset, overrides=[*over, "model.branch.enabled=true"]).model)
+    for name, p in branch.named_parameters():
+        if ".couple_" in name:
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    base = build_model(make_config(preset, overrides=over).model)
+    base.load_state_dict({k: v for k, v in branch.state_dict().items() if k in base.state_dict()})
+    return base.to(device, dtype).eval(), branch.to(device, dtype).eval()
+
+
 def as_dict(result) -> dict:
     return asdict(result)

@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import assert_same_function_bitwise
+from tests.helpers import assert_config_refused, assert_same_function_bitwise
 
 from archlab.config import make_config
-from archlab.errors import ConfigError
 from archlab.io.checkpoint import resolve_checkpoint
 from archlab.model import build_model
 from archlab.model.accounting import costs, mfu_flops_per_token, per_layer
@@ -189,11 +188,7 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_options_are_one_line(name):
-    overrides, start = BAD[name]
-    with pytest.raises(ConfigError) as e:
-        cfg_of(*overrides)
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("config error: " + start), msg
+    assert_config_refused(cfg_of, *BAD[name])
 
 
 ZOO = {

@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from archlab.config import make_config
-from archlab.errors import ConfigError
 from archlab.infer.engine import Engine
 from archlab.infer.sampling import SamplingParams
 from archlab.model import build_model
 from archlab.model.accounting import costs, param_counts, per_layer
 from archlab.model.variants.looped.module import DiscreteChannel
 from archlab.model.variants.looped.schedule import Looped
-from tests.helpers import assert_same_function_bitwise, run_cli
+from tests.helpers import assert_config_refused, assert_same_function_bitwise, run_cli
 from tests.infer.test_engine import uncached_greedy
 from tests.infer.test_generate import assert_matches_full_forward
 
@@ -257,11 +256,7 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_options_are_one_line(name):
-    overrides, start = BAD[name]
-    with pytest.raises(ConfigError) as e:
-        cfg_of(*overrides)
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("config error: " + start), msg
+    assert_config_refused(cfg_of, *BAD[name])
 
 
 def test_a_bad_option_on_the_command_line_exits_2(capsys):
