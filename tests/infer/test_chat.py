@@ -7,6 +7,8 @@ a clear 400."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -174,3 +176,25 @@ def test_chat_refusals(chat_served, tiny_run):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                        json={"model": "tiny", "messages": MESSAGES}, timeout=30)
         assert r.status_code == 400 and "this model has no chat template" in r.json()["error"]["message"]
+
+
+def test_lm_eval_local_chat_completions_gets_the_engines_reply(chat_served):
+    """lm-eval's own ``local-chat-completions`` model (``generate_until`` as ``--apply_chat_template``
+    sends it: the messages as JSON, greedy, stop strings, a seed) against the running server: its
+    text is the engine's greedy reply to the rendered prompt, cut at the stop string."""
+    instance = pytest.importorskip("lm_eval.api.instance")
+    for extra in ("aiohttp", "tenacity"):  # lm-eval[api]'s
+        pytest.importorskip(extra, reason=f"lm-eval's API models need {extra} (pip install 'lm-eval[api]')")
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    client, model, tok, template = chat_served
+    lm = LocalChatCompletion(base_url=f"{client.base_url}chat/completions", model="tiny", max_gen_toks=12)
+    reply = engine_reply(model, tok, template, 12, temperature=0.0)[0]
+    stop = reply[len(reply) // 2:][:3] or "\n\n"  # a stop string inside the reply: the text ends before it
+    requests = [instance.Instance("generate_until", {}, (JsonChatStr(json.dumps(MESSAGES)),
+                                                         {"until": [stop], "max_gen_toks": 12, "temperature": 0}), 0),
+                instance.Instance("generate_until", {}, (JsonChatStr(json.dumps(MESSAGES)),
+                                                         {"until": ["<never>"], "max_gen_toks": 12}), 1)]
+    got = lm.generate_until(requests, disable_tqdm=True)
+    assert got == [reply[:reply.index(stop)], reply]
