@@ -1,5 +1,6 @@
 """Analysis of trained models: routing diagnostics (``probe``), the loss at every early exit
-(``exits``) and their CLI (``cli``).
+(``exits``), entity-familiarity probes of the MLP activations (``familiarity``) and their CLI
+(``cli``).
 
 ``probe`` and ``exits`` import torch; they are imported on use so that the command line's parser
 does not.
