@@ -72,11 +72,11 @@ def profile_decode(model, context: int, steps: int = 20) -> dict:
     eng = Engine(model, slots=1, max_len=context + 2 * steps + 16)
     eng.prefill([0], [prompt_tokens(context, model.cfg.vocab_size)], [SamplingParams(max_new_tokens=2 * steps)])
     for _ in range(3):  # compiled before profiling
-        eng._step_body(True)
+        eng._step_body(True, False)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            eng._step_body(True)
+            eng._step_body(True, False)
         torch.cuda.synchronize()
     return _kernel_table(prof, steps)
 

@@ -118,7 +118,7 @@ def profile_model(model, label: str, args, batch: int, max_len: int, bandwidth: 
         roof = decode_bytes_per_step(model.cfg, args.context, n, model.lm_head.weight.element_size()) / bandwidth * 1e3
         print(f"{key}: {ms:.3f} ms per step, roofline {roof:.3f} ms ({roof / ms:.1%})", flush=True)
         eng.positions.fill_(args.context)
-        ks = _kernels(lambda: eng._step_body(True), 5)
+        ks = _kernels(lambda: eng._step_body(True, False), 5)
         out[key] = {"ms": ms, "roofline_ms": roof, "summary": summary(key, ks, args.top), "kernels": ks}
 
 

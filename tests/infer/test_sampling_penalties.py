@@ -113,6 +113,33 @@ def test_a_greedy_request_without_penalties_is_unchanged_beside_penalised_ones()
     assert mixed[1].tokens == alone == uncached(model, [1, 2, 3], plain)
 
 
+def test_only_steps_with_a_penalised_request_pay_for_penalties(monkeypatch):
+    """The decode step applies the penalties (a [slots, V] pass and the counts' update) only
+    while a penalised request is running: a plain request's steps skip them. One slot runs a
+    plain request, then a penalised one, then a plain one: each keeps its exact tokens, and the
+    decode steps' penalty passes are the penalised request's steps alone."""
+    import archlab.infer.engine as engine_module
+
+    torch.manual_seed(5)
+    model = build_model(tiny_model_cfg()).eval()
+    calls = []
+    real = engine_module.penalise
+
+    def counted(logprobs, *args):
+        calls.append(logprobs.shape[0])
+        return real(logprobs, *args)
+
+    monkeypatch.setattr(engine_module, "penalise", counted)
+    plain = SamplingParams(max_new_tokens=6, temperature=0)
+    penalised = SamplingParams(max_new_tokens=7, temperature=0, frequency_penalty=2.0, logit_bias=((40, 8.0),))
+    prompts, params = [[1, 2, 3], [5, 6, 7], [1, 2, 3]], [plain, penalised, plain]
+    got = Engine(model, slots=1).generate(prompts, params)
+    for r, prompt, sp in zip(got, prompts, params):
+        assert r.tokens == uncached(model, prompt, sp)
+    prefills = 3  # every prefill applies the bias to its first token (counts are zero there)
+    assert len(calls) == prefills + (penalised.max_new_tokens - 1)
+
+
 @pytest.mark.parametrize("params,words", [
     (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
     (dict(frequency_penalty=-3.0), "frequency_penalty must be in [-2, 2]"),

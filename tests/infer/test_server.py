@@ -190,9 +190,9 @@ def test_concurrent_streams_share_the_decode_batch(tiny_run):
     warmed = set(engine._prefills)
     step = engine.step
 
-    def slow_step(greedy: bool = False):
+    def slow_step(greedy: bool = False, penalised: bool = False):
         time.sleep(0.03)  # a slow accelerator: the engine thread waits without the GIL
-        return step(greedy)
+        return step(greedy, penalised)
 
     engine.step = slow_step
 

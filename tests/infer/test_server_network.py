@@ -45,9 +45,9 @@ def slow_engine(model, slots: int, step_s: float) -> Engine:
     engine = Engine(model, slots=slots)
     step = engine.step
 
-    def slow_step(greedy: bool = False):
+    def slow_step(greedy: bool = False, penalised: bool = False):
         time.sleep(step_s)
-        return step(greedy)
+        return step(greedy, penalised)
 
     engine.step = slow_step
     return engine
@@ -309,10 +309,10 @@ def test_health_and_requests_report_a_failed_engine(tiny):
     engine, both_running = slow_engine(model, 2, 0.02), threading.Event()
     step = engine.step
 
-    def breaking_step(greedy: bool = False):
+    def breaking_step(greedy: bool = False, penalised: bool = False):
         if both_running.is_set():
             raise RuntimeError("simulated device failure")
-        return step(greedy)
+        return step(greedy, penalised)
 
     engine.step = breaking_step
     body = {"model": "tiny", "prompt": "def f(", "max_tokens": 200, "temperature": 0, "stream": True}

@@ -109,7 +109,7 @@ class Engine:
         self._one = torch.ones(slots, 1, device=dev)
         self.logprobs = torch.zeros(slots, self.vocab, device=dev)  # the last step's predictions
         self.token_keys = token_keys(self.vocab, dev)  # the sampler's per-token hash keys
-        self._graphs: dict[bool, Callable[[], None]] = {}
+        self._graphs: dict[tuple[bool, bool], Callable[[], None]] = {}  # by (greedy, penalised)
         self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._pool = None  # the CUDA graphs' shared memory pool
         if self.compile:
@@ -193,37 +193,41 @@ class Engine:
                     bias[i, token] = value
             self.bias[rows] = bias.to(dev)
 
-    def _decode_impl(self, greedy: bool) -> tuple[Tensor, Tensor]:
+    def _decode_impl(self, greedy: bool, penalised: bool) -> tuple[Tensor, Tensor]:
         logprobs = self.model.decode(self.tokens[:, None], self.cache, self.positions)
         # The penalties change what is drawn; the step's ``logprobs`` stay the model's own (what
-        # the API reports, as vLLM's default does).
-        adjusted = penalise(logprobs, self.counts, self.presence, self.frequency, self.bias)
+        # the API reports, as vLLM's default does). Only a step with a penalised request among
+        # its rows pays for them (a [slots, V] pass and the counts' update on the hot path).
+        adjusted = penalise(logprobs, self.counts, self.presence, self.frequency, self.bias) if penalised else logprobs
         nxt = adjusted.argmax(-1) if greedy else sample(adjusted, self.temperature, self.top_k, self.top_p,
                                                          self.seed, self.positions + 1, self.token_keys)
         return logprobs, nxt
 
-    def _step_body(self, greedy: bool) -> None:
-        logprobs, nxt = self._decode_fn(greedy)
+    def _step_body(self, greedy: bool, penalised: bool) -> None:
+        logprobs, nxt = self._decode_fn(greedy, penalised)
         self.logprobs.copy_(logprobs)
         self.tokens.copy_(nxt)
-        self.counts.scatter_add_(1, nxt[:, None], self._one)
+        if penalised:  # a penalised request runs every one of its steps penalised: its counts stay exact
+            self.counts.scatter_add_(1, nxt[:, None], self._one)
         # Free slots keep stepping; clamping keeps their (ignored) writes inside the cache.
         self.positions.copy_(torch.clamp(self.positions + 1, max=self.max_len - 1))
 
     @torch.no_grad()
-    def step(self, greedy: bool = False) -> Tensor:
+    def step(self, greedy: bool = False, penalised: bool = False) -> Tensor:
         """One decode step of every slot: feed each slot's token, sample the next into ``tokens``
         (returned: [slots], on the device), advance the positions; ``logprobs`` holds the step's
-        predictions. ``greedy``: every active slot is greedy (a cheaper graph)."""
+        predictions. ``greedy``: every active slot is greedy (a cheaper graph); ``penalised``:
+        some active slot has penalties or a logit bias (a graph of its own, captured on first use)."""
         if not self.cuda:
-            self._step_body(greedy)
+            self._step_body(greedy, penalised)
             return self.tokens
-        graph = self._graphs.get(greedy)
+        key = (greedy, penalised)
+        graph = self._graphs.get(key)
         if graph is None:
             # The warm-up steps write into the state: it is restored afterwards (their cache writes
             # land at positions that prefill or decoding overwrite before reading them).
             saved = [t.clone() for t in (self.tokens, self.positions)]
-            graph = self._graphs[greedy] = self.capture(lambda: self._step_body(greedy), "decode step")
+            graph = self._graphs[key] = self.capture(lambda: self._step_body(greedy, penalised), "decode step")
             self.tokens.copy_(saved[0])
             self.positions.copy_(saved[1])
         graph()
@@ -260,7 +264,7 @@ class Engine:
         ``batch_sizes`` (powers of eight: other sizes run as groups of those)."""
         if self.cuda and self.speculative is None:
             for greedy in (True, False):
-                if greedy not in self._graphs:
+                if (greedy, False) not in self._graphs:
                     self.step(greedy)
                     self.positions.zero_()
         for n in batch_sizes:
@@ -497,13 +501,14 @@ class Scheduler:
         step: its accepted draft tokens and one more)."""
         active = {s: r for s, r in self.running.items() if not r.done}
         greedy = all(r.params.greedy for r in active.values())
+        penalised = any(r.params.penalised for r in active.values())
         self._count_step(len(active))
         t0 = time.perf_counter()
         logprobs: dict[int, TokenLogprob] = {}  # by slot; the speculative step refuses logprobs
         if self.engine.speculative is not None:
             produced = self.engine.speculative.step(active)
         else:
-            step_tokens = self.engine.step(greedy)
+            step_tokens = self.engine.step(greedy, penalised)
             tokens = step_tokens.tolist()
             produced = {slot: [tokens[slot]] for slot in active}
             if any(r.top_logprobs is not None for r in active.values()):  # no copy of the step's rows otherwise
@@ -522,12 +527,13 @@ class Scheduler:
         """Steps whose tokens stay on the device until ``sync_every`` of them have run."""
         eng = self.engine
         greedy = all(r.params.greedy for r in active.values())
+        penalised = any(r.params.penalised for r in active.values())
         left = max(r.params.max_new_tokens - len(r.tokens) for r in active.values())
         n = min(eng.sync_every, left)
         out = torch.empty(n, eng.slots, dtype=torch.long, device=eng.device)
         for i in range(n):
             self._count_step(sum(1 for r in active.values() if len(r.tokens) + i < r.params.max_new_tokens))
-            out[i] = eng.step(greedy)
+            out[i] = eng.step(greedy, penalised)
         for row in out.tolist():
             for slot, r in active.items():
                 if not r.done:
