@@ -105,6 +105,7 @@ def test_cli_writes_table_json_csv_and_plot(tiny_run, entity_file, tmp_path, cap
 @pytest.mark.parametrize("argv,message", [
     (["--folds", "1"], "argument --folds: must be at least 2"),
     (["--C", "0"], "argument --C: must be a number above 0"),
+    (["--seed", "-1"], "argument --seed: must be at least 0"),
     (["--entities", "/nonexistent/entities.json"], "--entities /nonexistent/entities.json: not an entity file"),
 ])
 def test_bad_values_are_one_line_and_exit_2(tiny_run, entity_file, capsys, argv, message):

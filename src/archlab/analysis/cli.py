@@ -11,7 +11,7 @@ import json
 
 from rich.console import Console
 
-from archlab.argtypes import float_in, int_at_least, positive_int
+from archlab.argtypes import float_in, int_at_least, non_negative_int, positive_int
 from archlab.errors import UsageError
 
 CONVERSIONS = ("delta-mhar", "hidden")
@@ -87,7 +87,7 @@ def register_familiarity(sub: "argparse._SubParsersAction[argparse.ArgumentParse
                     "model of the real ones, each in a one-sentence question; balanced per domain, fixed by "
                     "--seed (for given Python and tz database versions). See docs/analysis.md.")
     e.add_argument("--out", required=True, help="JSON file to write")
-    e.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    e.add_argument("--seed", type=non_negative_int, default=0, help="seed of the sampling (default 0)")
     e.add_argument("--per-kind", type=positive_int, default=40,
                    help="names of each kind (known, obscure, fabricated) per domain (default 40)")
     e.set_defaults(func=run_probe_entities)
@@ -106,7 +106,7 @@ def register_familiarity(sub: "argparse._SubParsersAction[argparse.ArgumentParse
     f.add_argument("--folds", type=int_at_least(2), default=5, help="cross-validation folds (default 5)")
     f.add_argument("--permutations", type=positive_int, default=1000,
                    help="shuffled label sets for the permutation p (default 1000)")
-    f.add_argument("--seed", type=int, default=0, help="seed of folds and permutations (default 0)")
+    f.add_argument("--seed", type=non_negative_int, default=0, help="seed of folds and permutations (default 0)")
     f.add_argument("--C", dest="c", type=float_in(0, low_open=True), default=0.1,
                    help="inverse L2 strength of the logistic probe, on standardised features (default 0.1)")
     f.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
