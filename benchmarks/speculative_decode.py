@@ -18,8 +18,9 @@ a quick training of a preset with and without layer dropout.
   recipe that makes shallow exits good drafts), into ``--out`` (default: a temporary directory),
   then measures both final checkpoints.
 * Each row: plain decoding's tokens/s (the engine's compiled CUDA graph on CUDA), the speculative
-  engine's tokens/s when it drafts nothing (``K=0``: its eager step, one token per step, so that
-  what drafting gains shows apart from compilation), speculative tokens/s, speed-up, acceptance
+  engine's tokens/s when no draft may be accepted (``K=0``: the same compiled step, its drafts
+  computed and discarded, one token per step: what the machinery costs with nothing gained),
+  speculative tokens/s, speed-up, acceptance
   (accepted / drafted tokens), tokens per verify step per sequence and, when greedy, whether
   every sequence's tokens equal plain decoding's in the same run (``no`` would be a bug in fp32;
   in bf16 the verify's multi-token kernels round differently from the one-token step and a

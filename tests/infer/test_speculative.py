@@ -383,3 +383,35 @@ def test_drafts_on_the_decode_attention_kernel(monkeypatch):
     plain, _ = greedy(model, PROMPTS[:2], [6, 3])
     got, engine = greedy(model, PROMPTS[:2], [6, 3], SpeculativeOptions(2, 1))
     assert got == plain and engine.speculative.stats.accepted < engine.speculative.stats.drafted
+
+
+def test_the_compiled_step_gives_the_eager_steps_tokens_and_never_recompiles():
+    """The step runs every slot at fixed shapes, so ``torch.compile`` (what the CUDA graph
+    captures) compiles it for the first greedy and the first sampled step and never again, however
+    many drafts each row may accept; a free slot (three slots, two requests) changes nothing;
+    greedy and sampled tokens equal the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    model = built()
+    options = SpeculativeOptions(3, 1)
+    prompts = PROMPTS[:2]
+
+    def greedy_params(a, b):
+        return [SamplingParams(max_new_tokens=a, temperature=0), SamplingParams(max_new_tokens=b, temperature=0)]
+
+    def sampled_params(n, *seeds):
+        return [SamplingParams(max_new_tokens=n, temperature=1.0, seed=s) for s in seeds]
+
+    def run(engine, plist):
+        return [r.tokens for r in engine.generate(prompts, plist)]
+
+    eager = Engine(model, slots=3, speculate=options, compile=False)
+    compiled = Engine(model, slots=3, speculate=options, compile=True)
+    for plist in (greedy_params(12, 7), sampled_params(10, 3, 4)):
+        assert run(compiled, plist) == run(eager, plist)
+    assert run(compiled, greedy_params(12, 7)) == greedy(model, prompts, [12, 7])[0]
+    graphs = counters["stats"]["unique_graphs"]
+    for plist in (greedy_params(5, 16), sampled_params(13, 8, 9)):  # other limits, seeds and lengths
+        assert run(compiled, plist) == run(eager, plist)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sorted(compiled.speculative._steps) == [False, True]

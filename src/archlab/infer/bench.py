@@ -134,10 +134,10 @@ class SpeculativeResult:
     visits: int  # layer visits of the full model
     temperature: float
     plain_tokens_per_s: float  # the engine's plain decoding (a CUDA graph on CUDA)
-    #: one token per step on the speculative engine's eager path (every request ``speculate=0``):
-    #: against it, what drafting gains apart from the plain step's compilation and CUDA graph
+    #: the speculative engine with every request at ``speculate=0``: the same step (its drafts
+    #: computed, none accepted), one token per step: what the step costs with nothing gained
     no_draft_tokens_per_s: float
-    tokens_per_s: float  # self-speculative decoding (eager)
+    tokens_per_s: float  # self-speculative decoding
     speedup: float  # tokens_per_s / plain_tokens_per_s
     acceptance: float  # accepted draft tokens / drafted
     tokens_per_step: float  # tokens a sequence gains per verify pass

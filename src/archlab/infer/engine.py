@@ -19,8 +19,9 @@ stacks its rows with the primary's in every decode step), so the engine never se
   slot's token and position. On CUDA it is compiled once and captured as a CUDA graph, one graph
   for greedy-only batches and one that samples; replaying it costs one launch.
 * **Self-speculative decoding** (``speculate=SpeculativeOptions(K, k)``): the scheduler runs
-  ``infer.speculative``'s step instead, eagerly: ``K`` tokens drafted by the first ``k`` layer
-  visits, verified by the rest in one pass, exact for greedy and sampled requests.
+  ``infer.speculative``'s step instead: ``K`` tokens drafted by the first ``k`` layer visits,
+  verified by the rest in one pass, exact for greedy and sampled requests; every slot at fixed
+  shapes, so it is compiled and captured like the plain step.
 * **No host synchronisation per step** in ``generate``: tokens accumulate on the device and the
   host looks at them every ``sync_every`` steps. The scheduler that serves streams reads each
   step's tokens while the next step already runs.
@@ -124,7 +125,7 @@ class Engine:
             self._decode_fn = torch.compile(self._decode_impl, dynamic=False, mode=compile_mode)
         else:
             self._decode_fn = self._decode_impl
-        # ``speculate``: the scheduler runs this step (eager) instead of the plain one
+        # ``speculate``: the scheduler runs this step instead of the plain one
         self.speculative = SelfSpeculative(self, speculate) if speculate is not None else None
 
     # ---- the two phases ---------------------------------------------------------------------------

@@ -124,6 +124,7 @@ def penalise(logprobs: Tensor, counts: Tensor, presence: Tensor, frequency: Tens
     return logprobs.float() + bias - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
+@torch.compiler.disable  # eager inside compiled steps, like ``sample`` (the speculative step calls it itself)
 def restrict(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
     """(the logits divided by each row's temperature, the tokens top-k and top-p keep) for
     log-probabilities [B, V]: what ``sample`` draws among, and ``sampling_probs`` normalises."""

@@ -24,9 +24,11 @@ One step of the running sequences (``SelfSpeculative.step``), drafting ``K`` tok
    slots of rejected tokens keep stale entries, but a query at position ``t`` sees slots ``<= t``
    only, and the next step writes each slot before any query can see it.
 
-**Lockstep.** The running rows draft together, as many tokens as the most any of them may accept
-this step, and each accepts its own number. A row may accept at most its request's ``speculate``
-(default ``K``) and one less than the tokens it still needs. A row near its end still feeds the
+**Lockstep, at fixed shapes.** Every slot drafts ``K`` tokens each step, and each running row
+accepts its own number; a free slot's row runs too and changes nothing. A row may accept at most
+its request's ``speculate`` (default ``K``) and one less than the tokens it still needs. Fixed
+shapes make one step body serve every step: compiled when the engine compiles and, on CUDA,
+captured as a CUDA graph per (greedy, sampled), like the plain step. A row near its end still feeds the
 batch's draft tokens, positioned past its context: those land in one scratch slot past the
 engine's context, never in a slot a real token uses (``Engine`` allocates the slot; where it
 would pass the model's last position, the engine's context is one token shorter).
@@ -41,8 +43,7 @@ request's output depends on its seed and ``K``, ``k``, not on what shares its ba
 verify are one row per token), residual streams other than the standard one (the verify resumes
 the draft's residual state, which is joined along positions as the standard stream's hidden
 tensor; AttnRes and delta keep routed sources). A varying width is fine: its resize states are
-joined too. The speculative step runs eagerly, also on CUDA, where the plain decode step is a
-compiled CUDA graph: its shapes change with the number of rows and drafts.
+joined too.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -166,6 +167,12 @@ class SelfSpeculative:
         self.draft_tokens = self.options.draft_tokens
         self.draft_layers: int = self.options.draft_layers  # type: ignore[assignment]  # resolved
         self.stats = SpeculationStats()
+        dev = engine.device
+        # Static buffers of the step (the graph's inputs and outputs): per slot, the drafts it may
+        # accept this step, then its K + 1 tokens and how many of its drafts it accepted.
+        self._limits = torch.full((engine.slots,), -1, dtype=torch.long, device=dev)
+        self._result = torch.zeros(engine.slots, self.draft_tokens + 2, dtype=torch.long, device=dev)
+        self._steps: dict[bool, Callable[[], None]] = {}  # by greedy
 
     def limit(self, request: "Request") -> int:
         """The most draft tokens ``request`` may accept in its next step."""
@@ -178,44 +185,68 @@ class SelfSpeculative:
         accepted drafts then one token of the full model. The slots' pending token, position and
         last predictions (``engine.tokens``, ``positions``, ``logprobs``) move past them."""
         e = self.engine
-        dev = e.device
-        limits = [self.limit(r) for r in active.values()]
-        count = max(limits)  # draft steps this time: the most that any row may accept
+        limits = [-1] * e.slots  # a free slot: its row runs and changes nothing
+        for slot, request in active.items():
+            limits[slot] = self.limit(request)
+        self._limits.copy_(torch.tensor(limits), non_blocking=True)
         # A batch of greedy requests takes argmaxes: the rule with all of p's and q's mass on
-        # their argmax, without sampling's sorts and draws.
+        # their argmax, without sampling's sorts and draws (a graph of its own).
         greedy = all(r.params.greedy for r in active.values())
-        slots = torch.tensor(list(active), device=dev)
-        pos, seed = e.positions[slots], e.seed[slots]
-        sampling = (e.temperature[slots], e.top_k[slots], e.top_p[slots])
-        ahead = torch.arange(count + 1, device=dev)
-        allowed = ahead[:count] < torch.tensor(limits, device=dev)[:, None]  # [rows, count]
+        run = self._steps.get(greedy)
+        if run is None:
+            run = self._steps[greedy] = self._prepare(greedy)
+        run()
+        host = self._result.tolist()  # the step's one host sync
+        s = self.stats
+        s.steps += 1
+        s.row_steps += len(active)
+        s.drafted += sum(limits[slot] for slot in active)
+        s.accepted += sum(host[slot][-1] for slot in active)
+        return {slot: host[slot][:host[slot][-1] + 1] for slot in active}
+
+    def _prepare(self, greedy: bool) -> Callable[[], None]:
+        """The step body for ``greedy``, compiled when the engine compiles and, on CUDA, captured
+        as a CUDA graph (the warm-up runs change the slots' state, which is put back after)."""
+        e = self.engine
+        fn = torch.compile(self._body, dynamic=False) if e.compile else self._body
+        body = lambda: fn(greedy)  # noqa: E731
+        if not e.cuda:
+            return body
+        saved = [t.clone() for t in (e.tokens, e.positions, e.logprobs)]
+        graph = e.capture(body, f"speculative step ({'greedy' if greedy else 'sampled'})")
+        for t, old in zip((e.tokens, e.positions, e.logprobs), saved):
+            t.copy_(old)
+        return graph
+
+    def _body(self, greedy: bool) -> None:
+        """The step over every slot at fixed shapes (``K`` drafts, all slots: one graph serves
+        every step); ``self._limits`` says how many drafts each slot may accept (-1: a free slot,
+        whose token, position and predictions stay as they were). Writes each slot's ``K + 1``
+        tokens and its accepted count into ``self._result``."""
+        e = self.engine
+        count = self.draft_tokens
+        pos, seed = e.positions, e.seed
+        sampling = (e.temperature, e.top_k, e.top_p)
+        ahead = torch.arange(count + 1, device=pos.device)
+        allowed = ahead[:count] < self._limits[:, None]  # [slots, count]
         # The position of each token fed this step, which is also its cache slot: past the
         # context, the scratch slot (module doc).
         at = torch.clamp(pos[:, None] + ahead, max=e.cache.max_len - 1)
-        # Every slot running, in order: the runs read the whole cache rather than a gathered copy
-        # of its rows (what the plain step does too).
-        cache_rows = None if list(active) == list(range(e.slots)) else slots
-        drafts, draft_probs, states = self._draft(cache_rows, at, e.tokens[slots], sampling, seed, pos, count, greedy)
-        drafted = torch.stack(drafts, 1) if drafts else pos.new_zeros(len(limits), 0)  # [rows, count]
-        target = self._verify(cache_rows, at, states)  # [rows, count + 1, V]: the full model's predictions
-        rows = torch.arange(len(limits), device=dev)
+        drafts, draft_probs, states = self._draft(at, e.tokens, sampling, seed, pos, count, greedy)
+        drafted = torch.stack(drafts, 1)  # [slots, count]
+        target = self._verify(at, states)  # [slots, count + 1, V]: the full model's predictions
+        rows = torch.arange(e.slots, device=pos.device)
         if greedy:
             accepted = leading_true((drafted == target[:, :count].argmax(-1)) & allowed)
             token = target[rows, accepted].argmax(-1)
         else:
             accepted, token = self._accept_sampled(drafted, draft_probs, target, allowed, sampling, seed, pos)
-        tokens = torch.cat([drafted, token[:, None]], 1)
-        tokens[rows, accepted] = token
-        e.tokens[slots] = token
-        e.positions[slots] = pos + accepted + 1
-        e.logprobs[slots] = target[rows, accepted]
-        host = torch.cat([tokens, accepted[:, None]], 1).tolist()  # the step's one host sync
-        s = self.stats
-        s.steps += 1
-        s.row_steps += len(limits)
-        s.drafted += sum(limits)
-        s.accepted += sum(row[-1] for row in host)
-        return {slot: row[:row[-1] + 1] for slot, row in zip(active, host)}
+        tokens = torch.cat([drafted, token[:, None]], 1).scatter(1, accepted[:, None], token[:, None])
+        self._result.copy_(torch.cat([tokens, accepted[:, None]], 1))
+        running = self._limits >= 0
+        e.tokens.copy_(torch.where(running, token, e.tokens))
+        e.positions.copy_(torch.where(running, pos + accepted + 1, pos))
+        e.logprobs.copy_(torch.where(running[:, None], target[rows, accepted], e.logprobs))
 
     def _accept_sampled(self, drafted: Tensor, draft_probs: list[Tensor], target: Tensor, allowed: Tensor,
                         sampling: tuple[Tensor, Tensor, Tensor], seed: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -260,17 +291,17 @@ class SelfSpeculative:
         model = self.engine.model
         return model.rows.log_probs(model.logits(model.read_out(run)), None)
 
-    def _draft(self, cache_rows: Tensor | None, at: Tensor, token: Tensor, sampling: tuple[Tensor, Tensor, Tensor],
+    def _draft(self, at: Tensor, token: Tensor, sampling: tuple[Tensor, Tensor, Tensor],
                seed: Tensor, pos: Tensor, count: int,
                greedy: bool) -> tuple[list[Tensor], list[Tensor], list[RunState]]:
-        """``count`` draft tokens of every row fed ``token`` at ``at[:, 0]`` (in cache rows
-        ``cache_rows``; None: all, in order): (the tokens [rows] each, the distributions they were
-        drawn from [rows, V] each (none when ``greedy``: the argmaxes), the states at the exit of
-        the ``count + 1`` tokens fed: ``token`` and the drafts)."""
+        """``count`` draft tokens of every slot fed ``token`` at ``at[:, 0]``: (the tokens [rows]
+        each, the distributions they were drawn from [rows, V] each (none when ``greedy``: the
+        argmaxes), the states at the exit of the ``count + 1`` tokens fed: ``token`` and the
+        drafts)."""
         e, model = self.engine, self.engine.model
         drafts, probs, states = [], [], []
         for i in range(count + 1):
-            ctx = model.cache_context(e.cache, at[:, i:i + 1], cache_rows)
+            ctx = model.cache_context(e.cache, at[:, i:i + 1])
             run = model.advance(model.begin(model.tok_emb(token[:, None]), ctx), ctx, self.draft_layers)
             states.append(run)
             if i == count:  # the last draft token: only its state at the exit, for the verify
@@ -285,9 +316,9 @@ class SelfSpeculative:
             drafts.append(token)
         return drafts, probs, states
 
-    def _verify(self, cache_rows: Tensor | None, at: Tensor, states: list[RunState]) -> Tensor:
+    def _verify(self, at: Tensor, states: list[RunState]) -> Tensor:
         """The full model's log-probabilities [rows, T, V] after each of the ``T`` tokens whose
         exit states are ``states``: the later visits resumed over all of them in one pass."""
         e, model = self.engine, self.engine.model
-        ctx = model.cache_context(e.cache, at, cache_rows)
+        ctx = model.cache_context(e.cache, at)
         return self._readout(model.advance(join(states), ctx, len(model.visits)))
