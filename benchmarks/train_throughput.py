@@ -9,6 +9,8 @@ gradient accumulation (same tokens per step), for variants whose activations do 
 otherwise (the eager reference routing). ``/graph`` replays the step as one CUDA graph
 (``train.cuda_graph``); suffixes combine (``attnres-triton/graph/mb4``). Warm-up must cover the
 graph's three ordinary steps and its capture, so use ``--warmup`` of at least 5 with ``/graph``.
+``/fused`` computes the loss without keeping the logits (``train.fused_readout``:
+``kernels/linear_cross_entropy.py``); rows kinds with their own readout ignore it.
 
 ``zoo-NAME`` runs the shipped ``configs/zoo/NAME.yaml`` over the preset (``zoo-prism``,
 ``zoo-triplu``, ``zoo-variable_width``, ``zoo-gamma_init``, ``zoo-layerrope``, ...).
@@ -119,11 +121,12 @@ def profile_steps(run: Run, first_step: int, steps: int = 3) -> dict:
 def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compile_: bool,
             extra: list[str], profile: bool = False) -> dict:
     name, *mods = variant.split("/")
-    if unknown := set(mods) - {"mb4", "graph"}:
-        raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph")
+    if unknown := set(mods) - {"mb4", "graph", "fused"}:
+        raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph, /fused")
     micro4 = "mb4" in mods
     overrides = [f"data.path={data}", "train.device=cuda", f"train.compile={str(compile_).lower()}",
-                 *VARIANTS.get(name, []), *(["train.cuda_graph=true"] if "graph" in mods else []), *extra]
+                 *VARIANTS.get(name, []), *(["train.cuda_graph=true"] if "graph" in mods else []),
+                 *(["train.fused_readout=true"] if "fused" in mods else []), *extra]
     cfg = make_config(preset, files=[ZOO[name]] if name in ZOO else [], overrides=overrides)
     if micro4:
         if cfg.train.batch_size % 4:

@@ -94,11 +94,17 @@ class TrainConfig:
     # optimizer state sharded over the ranks (FSDP2, one unit per block).
     parallel: Literal["none", "ddp", "fsdp"] = "none"
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # The loss without the [B, T, V] logits kept for the backward (kernels/linear_cross_entropy.py:
+    # chunked, the head's product recomputed in the backward): the same loss for rows kinds with
+    # the plain softmax readout, less memory; the others read out as usual. Off by default until
+    # its speed is measured on the GPU.
+    fused_readout: bool = False
     dist_timeout_s: int = 600  # a collective that waits longer than this fails the run
 
-    #: fields that choose a layout over processes; equal runs with different layouts resume
-    #: each other's checkpoints, and a config at their defaults hashes as it did before they existed
-    LAYOUT_FIELDS = ("parallel", "activation_checkpointing", "dist_timeout_s")
+    #: fields that choose a layout over processes or how the same loss is computed; equal runs
+    #: with different layouts resume each other's checkpoints, and a config at their defaults
+    #: hashes as it did before they existed
+    LAYOUT_FIELDS = ("parallel", "activation_checkpointing", "dist_timeout_s", "fused_readout")
 
     @property
     def tokens_per_step(self) -> int:

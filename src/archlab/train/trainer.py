@@ -170,7 +170,7 @@ class Run:
         total = torch.zeros((), device=self.device)
         for x, y in batches:
             with self.autocast:
-                loss = self.step_fn(x, y).loss / len(batches)
+                loss = self.step_fn(x, y, return_logits=not self.cfg.train.fused_readout).loss / len(batches)
             loss.backward()
             total += loss.detach()
         # Gradients are already averaged over the ranks here (DDP, FSDP), so the norm is the

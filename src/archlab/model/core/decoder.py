@@ -42,7 +42,7 @@ from archlab.model.core.spec import LayerSpec, base_width, layer_specs, layer_vi
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # primary logits [B, T, V]
+    logits: Tensor | None  # primary logits [B, T, V]; None when the loss was asked without them
     #: logits of the rows kind's follower rows (the decode branch: [n_branches, B, T, V]), or None
     extra_logits: Tensor | None = None
     loss: Tensor | None = None  # training objective (NLL + auxiliary losses)
@@ -260,15 +260,24 @@ class Transformer(nn.Module):
 
     # ---- training / evaluation ----------------------------------------------------------------
     def forward(self, idx: Tensor, targets: Tensor | None = None, followers: bool = True,
-                exit_after: int | None = None) -> ModelOutput:
+                exit_after: int | None = None, return_logits: bool = True) -> ModelOutput:
         """Full causal forward over [B, T] tokens; with targets, the readout's loss.
         ``followers=False`` runs the primary rows alone (the baseline's function);
-        ``exit_after``: read out after that many visits (early exit, ``run``)."""
+        ``exit_after``: read out after that many visits (early exit, ``run``);
+        ``return_logits=False`` (training): the caller needs the loss alone, so a rows kind that
+        can (``rows.fused_nll``: the plain readout and the decode branch's) computes it without
+        keeping the [B, T, V] logits; the output's ``logits`` is then None."""
         ctx = Context(rope=self.position.tables(idx.shape[1]))
         # A rows kind that is a training objective of its own (``model.objective``: uniform
         # diffusion) scores the clean targets itself rather than predicting them from ``idx``.
         own = getattr(self.rows, "objective_nll", None) if targets is not None else None
-        if own is not None:
+        fuse = getattr(self.rows, "fused_nll", None)
+        fused = None
+        if fuse is not None and not return_logits and targets is not None and own is None and followers:
+            fused = fuse(self, idx, targets, ctx, exit_after)
+        if fused is not None:
+            out = ModelOutput(logits=None)
+        elif own is not None:
             logits, nll = own(self, targets, ctx, exit_after)
             out = ModelOutput(logits=logits, nll_is_bound=True)
         else:
@@ -276,7 +285,7 @@ class Transformer(nn.Module):
             out = ModelOutput(logits=logits, extra_logits=extra)
         out.aux_loss = torch.stack(ctx.aux_losses).sum() if ctx.aux_losses else None
         if targets is not None:
-            out.nll = nll if own is not None else self.rows.nll(logits, extra, targets)
+            out.nll = fused if fused is not None else nll if own is not None else self.rows.nll(logits, extra, targets)
             out.loss = out.nll if out.aux_loss is None else out.nll + out.aux_loss
         return out
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from archlab.kernels.linear_cross_entropy import linear_cross_entropy
 from archlab.model.core.context import Context
 from archlab.model.core.cost import Cost
 
@@ -86,3 +87,15 @@ class PrimaryRows(nn.Module):
 
     def nll(self, logits: Tensor, extra: Tensor | None, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def fused_nll(self, model: "Transformer", idx: Tensor, targets: Tensor, ctx: Context,
+                  exit_after: int | None) -> Tensor | None:
+        """``nll`` of the full forward without the logits kept (``kernels.linear_cross_entropy``),
+        or None where that is not this kind's loss: only a kind whose forward and readout are
+        these plain ones fuses (a subclass that changes either gets None, and the caller reads
+        out as usual)."""
+        kind = type(self)
+        if kind.forward is not PrimaryRows.forward or kind.nll is not PrimaryRows.nll:
+            return None
+        hidden = run_layers(model, model.tok_emb(idx), ctx, exit_after)
+        return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets.flatten())

@@ -38,11 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from archlab.kernels.appended_coupling import couple_appended_
+from archlab.kernels.linear_cross_entropy import linear_readout_stats
 from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
 from archlab.model.core.rows import PrimaryRows, last_of, run_layers
 from archlab.model.core.spec import base_width
-from archlab.model.variants.branch.readout import readout_log_probs, readout_nll
+from archlab.model.variants.branch.readout import mean_branches, mixture_nll_of, readout_log_probs, readout_nll
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -222,11 +223,30 @@ class BranchRows(PrimaryRows):
                 exit_after: int | None = None) -> tuple[Tensor, Tensor | None]:
         if not followers:
             return super().forward(model, idx, ctx, exit_after=exit_after)
-        record = RecordPass()
-        primary = model.logits(run_layers(model, model.tok_emb(idx), dataclasses.replace(ctx, rows=record), exit_after))
-        follow = dataclasses.replace(ctx, rows=FollowPass(model.visit_blocks, record))
-        branch = model.logits(run_layers(model, self.embed(model, idx), follow, exit_after))
+        hidden, follower_hidden = self._hidden(model, idx, ctx, exit_after)
+        primary, branch = model.logits(hidden), model.logits(follower_hidden)
         return primary, branch.view(self.n_branches, *primary.shape)
+
+    def _hidden(self, model: "Transformer", idx: Tensor, ctx: Context, exit_after: int | None) -> tuple[Tensor, Tensor]:
+        """The final hidden states of a full causal forward: the primary rows [B, T, d] and the
+        follower rows [n_branches * B, T, d] (branch-major), before the head."""
+        record = RecordPass()
+        primary = run_layers(model, model.tok_emb(idx), dataclasses.replace(ctx, rows=record), exit_after)
+        follow = dataclasses.replace(ctx, rows=FollowPass(model.visit_blocks, record))
+        return primary, run_layers(model, self.embed(model, idx), follow, exit_after)
+
+    def fused_nll(self, model: "Transformer", idx: Tensor, targets: Tensor, ctx: Context,
+                  exit_after: int | None) -> Tensor | None:
+        """``nll`` without the logits kept: the readouts need per-token statistics of the
+        primary's and each branch's logits alone (``kernels.linear_cross_entropy``)."""
+        hidden, follower_hidden = self._hidden(model, idx, ctx, exit_after)
+        weight, flat = model.lm_head.weight, targets.flatten()
+        lse, picked, _ = linear_readout_stats(follower_hidden.flatten(0, 1), weight, flat.repeat(self.n_branches))
+        logq_y = (picked - lse).view(self.n_branches, -1)
+        if self.br.readout == "branch":
+            return -mean_branches(logq_y).mean()
+        lse, picked, lse2 = linear_readout_stats(hidden.flatten(0, 1), weight, flat, squared=True)
+        return mixture_nll_of(picked - lse, lse2 - 2 * lse, logq_y, self.br)
 
     def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor,
                 exit_after: int | None = None) -> Tensor:

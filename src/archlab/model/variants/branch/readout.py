@@ -16,15 +16,20 @@ from torch import Tensor
 from archlab.model.variants.branch import BranchConfig
 
 
-def _alpha_logs(logp: Tensor, br: BranchConfig) -> tuple[Tensor, Tensor]:
-    """log(alpha) and log(1 - alpha) from the primary's log-probabilities [..., V].
+def log_collision(logp: Tensor) -> Tensor:
+    """``log sum_v p_v^2`` from the primary's log-probabilities [..., V], computed as
+    ``logsumexp(2 log p)`` (from log-probabilities, not raw logits: subtracting two large
+    log-sum-exps loses fp32 precision)."""
+    return torch.logsumexp(2 * logp, dim=-1)
 
-    ``alpha`` is computed as ``exp(logsumexp(2 log p))`` (from log-probabilities, not raw logits:
-    subtracting two large log-sum-exps loses fp32 precision). ``log(1 - alpha)`` is floored at the
-    smallest normal float so that alpha = 1 gives a finite value and a zero (not NaN) gradient;
-    the floor changes the mixture by under 1e-38.
+
+def _alpha_logs(collision: Tensor, br: BranchConfig) -> tuple[Tensor, Tensor]:
+    """log(alpha) and log(1 - alpha) from the primary's ``log_collision``.
+
+    ``log(1 - alpha)`` is floored at the smallest normal float so that alpha = 1 gives a finite
+    value and a zero (not NaN) gradient; the floor changes the mixture by under 1e-38.
     """
-    alpha = torch.exp(torch.logsumexp(2 * logp, dim=-1)).clamp(br.alpha_min, br.alpha_max)
+    alpha = torch.exp(collision).clamp(br.alpha_min, br.alpha_max)
     if br.detach_alpha:
         alpha = alpha.detach()
     tiny = torch.finfo(torch.float32).tiny
@@ -41,7 +46,7 @@ def mean_branches(logq: Tensor) -> Tensor:
 def mixture_log_probs(primary_logits: Tensor, branch_logits: Tensor, br: BranchConfig) -> Tensor:
     """log(alpha * p + (1 - alpha) * mean_r q_r) over the vocabulary, in fp32 (for decoding)."""
     logp = F.log_softmax(primary_logits.float(), dim=-1)
-    log_a, log_1ma = _alpha_logs(logp, br)
+    log_a, log_1ma = _alpha_logs(log_collision(logp), br)
     logq = mean_branches(F.log_softmax(branch_logits.float(), dim=-1))
     return torch.logaddexp(log_a[..., None] + logp, log_1ma[..., None] + logq)
 
@@ -51,12 +56,18 @@ def mixture_nll(primary_logits: Tensor, branch_logits: Tensor, targets: Tensor, 
     only the gathered target entries, so that far fewer fp32 [B, T, V] tensors are kept for the
     backward pass (they dominate the training memory)."""
     logp = F.log_softmax(primary_logits.float(), dim=-1)
-    log_a, log_1ma = _alpha_logs(logp, br)
     logp_y = logp.gather(-1, targets[..., None]).squeeze(-1)
     bl = branch_logits.float()
     idx = targets[None, ..., None].expand(bl.shape[0], *targets.shape, 1)
-    logq_y = mean_branches(bl.gather(-1, idx).squeeze(-1) - torch.logsumexp(bl, dim=-1))
-    return -torch.logaddexp(log_a + logp_y, log_1ma + logq_y).mean()
+    return mixture_nll_of(logp_y, log_collision(logp), bl.gather(-1, idx).squeeze(-1) - torch.logsumexp(bl, dim=-1), br)
+
+
+def mixture_nll_of(logp_y: Tensor, collision: Tensor, logq_y: Tensor, br: BranchConfig) -> Tensor:
+    """The mixture's mean NLL from per-token statistics alone: the primary's log-probability of
+    the target ``logp_y`` and its ``log_collision`` [...], each branch's log-probability of the
+    target ``logq_y`` [n_branches, ...] (what the fused readout computes without the logits)."""
+    log_a, log_1ma = _alpha_logs(collision, br)
+    return -torch.logaddexp(log_a + logp_y, log_1ma + mean_branches(logq_y)).mean()
 
 
 def readout_log_probs(primary_logits: Tensor, branch_logits: Tensor | None, br: BranchConfig) -> Tensor:
