@@ -300,8 +300,8 @@ def _bench_speculative(args, model, label: str) -> int:
                       f"{r['tokens_per_step']:.2f}", same)
     Console().print(table)
     print("plain: the engine's plain step (on CUDA compiled, a CUDA graph); K=0: the speculative step with no "
-          "draft accepted (its cost with nothing gained); per step: tokens per verify step; same: greedy tokens identical to plain "
-          "decoding's")
+          "draft accepted (its cost with nothing gained); per step: tokens per verify step; same: greedy tokens "
+          "identical to plain decoding's")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "model": label, "rows": rows}, f, indent=1)

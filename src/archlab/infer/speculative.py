@@ -28,9 +28,9 @@ One step of the running sequences (``SelfSpeculative.step``), drafting ``K`` tok
 accepts its own number; a free slot's row runs too and changes nothing. A row may accept at most
 its request's ``speculate`` (default ``K``) and one less than the tokens it still needs. Fixed
 shapes make one step body serve every step: compiled when the engine compiles and, on CUDA,
-captured as a CUDA graph per (greedy, sampled), like the plain step. A row near its end still feeds the
-batch's draft tokens, positioned past its context: those land in one scratch slot past the
-engine's context, never in a slot a real token uses (``Engine`` allocates the slot; where it
+captured as a CUDA graph per (greedy, sampled), like the plain step. A row near its end still
+feeds the batch's draft tokens, positioned past its context: those land in one scratch slot past
+the engine's context, never in a slot a real token uses (``Engine`` allocates the slot; where it
 would pass the model's last position, the engine's context is one token shorter).
 
 **Randomness.** Every draw is a counter-based uniform of the engine's sampler, keyed by the

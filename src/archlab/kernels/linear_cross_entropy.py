@@ -8,12 +8,13 @@ reductions over the vocabulary, so ``linear_readout_stats`` computes just those,
 rows, for logits ``z = hidden @ weight.T``:
 
 * ``lse = logsumexp(z)`` and ``picked = z[target]``: the cross-entropy is ``lse - picked``;
-* optionally ``lse2 = logsumexp(2 z)``: with ``lse`` it gives the collision probability
-  ``sum_v p_v^2 = exp(lse2 - 2 lse)`` that gates the decode branch's mixture readout.
+* optionally the log collision probability ``log sum_v p_v^2 = logsumexp(2 (z - lse))``, which
+  gates the decode branch's mixture readout (computed from the shifted logits, not as
+  ``logsumexp(2z) - 2 lse``: the difference of two large log-sum-exps loses float32 precision).
 
 The forward keeps 4 bytes per row and statistic and nothing of size V. The backward computes
-each chunk's logits again and multiplies ``dloss/dz = g_lse softmax(z) + 2 g_lse2 softmax(2z) +
-g_picked onehot(target)`` straight into the two gradients. It costs one more
+each chunk's logits again and multiplies ``dloss/dz = g_lse p + 2 g_col (q - p) + g_picked
+onehot(target)`` (``p = softmax(z)``, ``q = softmax(2z)``) straight into the two gradients. It costs one more
 [chunk, d] x [d, V] product per chunk (the recomputation) and saves the [N, V] tensors' traffic.
 What the loss does with the statistics (a mean, a mixture) is ordinary autograd on [N] tensors.
 
@@ -47,7 +48,7 @@ class _ReadoutStats(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         h, w = hidden.to(dtype), weight.to(dtype)
         n = hidden.shape[0]
-        lse, picked, lse2 = (torch.zeros(n if s else 0, device=hidden.device, dtype=acc) for s in (1, 1, squared))
+        lse, picked, col = (torch.zeros(n if s else 0, device=hidden.device, dtype=acc) for s in (1, 1, squared))
         safe = targets.clamp_min(0)
         with torch.autocast(hidden.device.type, enabled=False):  # the product's dtype is chosen above
             for start in range(0, n, chunk):
@@ -56,22 +57,22 @@ class _ReadoutStats(torch.autograd.Function):
                 lse[start:end] = logits.logsumexp(-1)
                 picked[start:end] = logits.gather(1, safe[start:end, None])[:, 0]
                 if squared:
-                    lse2[start:end] = (2 * logits).logsumexp(-1)
-        ctx.save_for_backward(hidden, weight, safe, lse, lse2)
+                    col[start:end] = (2 * (logits - lse[start:end, None])).logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, safe, lse, col)
         ctx.dtype, ctx.squared, ctx.chunk = dtype, squared, chunk
-        ctx.mark_non_differentiable(*(() if squared else (lse2,)))
-        return lse, picked, lse2
+        ctx.mark_non_differentiable(*(() if squared else (col,)))
+        return lse, picked, col
 
     @staticmethod
-    def backward(ctx, g_lse: Tensor | None, g_picked: Tensor | None, g_lse2: Tensor | None):
-        hidden, weight, safe, lse, lse2 = ctx.saved_tensors
+    def backward(ctx, g_lse: Tensor | None, g_picked: Tensor | None, g_col: Tensor | None):
+        hidden, weight, safe, lse, col = ctx.saved_tensors
         dtype, chunk, acc = ctx.dtype, ctx.chunk, lse.dtype
         h, w = hidden.to(dtype), weight.to(dtype)
         n = hidden.shape[0]
         zero = torch.zeros(n, device=hidden.device, dtype=acc)
         g_lse = zero if g_lse is None else g_lse.to(acc)
         g_picked = zero if g_picked is None else g_picked.to(acc)
-        g_lse2 = None if not ctx.squared or g_lse2 is None else g_lse2.to(acc)
+        g_col = None if not ctx.squared or g_col is None else g_col.to(acc)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -79,9 +80,12 @@ class _ReadoutStats(torch.autograd.Function):
                 end = min(start + chunk, n)
                 rows = slice(start, end)
                 logits = (h[rows] @ w.T).to(acc)
-                g = torch.exp(logits - lse[rows, None]) * g_lse[rows, None]
-                if g_lse2 is not None:
-                    g += torch.exp(2 * logits - lse2[rows, None]) * (2 * g_lse2[rows, None])
+                shifted = logits - lse[rows, None]  # log p
+                if g_col is None:
+                    g = torch.exp(shifted) * g_lse[rows, None]
+                else:
+                    g = torch.exp(shifted) * (g_lse - 2 * g_col)[rows, None]
+                    g += torch.exp(2 * shifted - col[rows, None]) * (2 * g_col[rows, None])  # q = softmax(2z)
                 g.scatter_add_(1, safe[rows, None], g_picked[rows, None])
                 g = g.to(dtype)
                 grad_hidden[rows] = (g @ w).to(hidden.dtype)
@@ -92,16 +96,16 @@ class _ReadoutStats(torch.autograd.Function):
 def linear_readout_stats(hidden: Tensor, weight: Tensor, targets: Tensor, squared: bool = False,
                          chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor, Tensor | None]:
     """Per row of ``hidden`` [N, d], with logits ``z = hidden @ weight.T`` ([V, d] weight):
-    ``(logsumexp(z), z[target], logsumexp(2 z) if squared else None)``, each [N], differentiable
-    in ``hidden`` and ``weight``; at most one [chunk, V] block of logits exists at a time. A
-    target of ``IGNORE_INDEX`` reads entry 0 (the caller masks that row)."""
+    ``(logsumexp(z), z[target], log sum_v softmax(z)_v^2 if squared else None)``, each [N],
+    differentiable in ``hidden`` and ``weight``; at most one [chunk, V] block of logits exists at
+    a time. A target of ``IGNORE_INDEX`` reads entry 0 (the caller masks that row)."""
     if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"the readout takes hidden [N, d], weight [V, d], targets [N]; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}")
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
-    lse, picked, lse2 = _ReadoutStats.apply(hidden, weight, targets, squared, chunk)
-    return lse, picked, lse2 if squared else None
+    lse, picked, collision = _ReadoutStats.apply(hidden, weight, targets, squared, chunk)
+    return lse, picked, collision if squared else None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:

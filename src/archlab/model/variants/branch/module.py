@@ -245,8 +245,8 @@ class BranchRows(PrimaryRows):
         logq_y = (picked - lse).view(self.n_branches, -1)
         if self.br.readout == "branch":
             return -mean_branches(logq_y).mean()
-        lse, picked, lse2 = linear_readout_stats(hidden.flatten(0, 1), weight, flat, squared=True)
-        return mixture_nll_of(picked - lse, lse2 - 2 * lse, logq_y, self.br)
+        lse, picked, collision = linear_readout_stats(hidden.flatten(0, 1), weight, flat, squared=True)
+        return mixture_nll_of(picked - lse, collision, logq_y, self.br)
 
     def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor,
                 exit_after: int | None = None) -> Tensor:
