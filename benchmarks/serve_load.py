@@ -148,9 +148,9 @@ def main() -> None:
     if args.step_delay:
         step = engine.step
 
-        def slow_step(greedy: bool = False):
+        def slow_step(*args_, **kwargs):  # the engine's step, whatever it takes, a little later
             time.sleep(args.step_delay)
-            return step(greedy)
+            return step(*args_, **kwargs)
 
         engine.step = slow_step  # type: ignore[method-assign]
     loop = EngineLoop(engine).start()
