@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from archlab.kernels.linear_cross_entropy import linear_cross_entropy
 from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
 from archlab.model.core.layers import sdpa
@@ -180,8 +181,18 @@ class HiddenRows(PrimaryRows):
         """``followers=False``: the scored stream alone (the model without its hidden streams)."""
         if not followers:
             return super().forward(model, idx, ctx, exit_after=exit_after)
+        return model.logits(self._scored(model, idx, ctx, exit_after)), None
+
+    def _scored(self, model: "Transformer", idx: Tensor, ctx: Context, exit_after: int | None) -> Tensor:
+        """The scored stream's final hidden states [B, T, d] of a full causal forward."""
         hidden = run_layers(model, self.embed(model, idx), self._pass(ctx), exit_after)
-        return model.logits(hidden[(self.streams - 1) * idx.shape[0]:]), None
+        return hidden[(self.streams - 1) * idx.shape[0]:]
+
+    def fused_nll(self, model: "Transformer", idx: Tensor, targets: Tensor, ctx: Context,
+                  exit_after: int | None) -> Tensor | None:
+        """``nll`` without the logits kept: the plain readout of the scored stream."""
+        hidden = self._scored(model, idx, ctx, exit_after)
+        return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets.flatten())
 
     def prefill(self, model: "Transformer", idx: Tensor, ctx: Context, lengths: Tensor,
                 exit_after: int | None = None) -> Tensor:
