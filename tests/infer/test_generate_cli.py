@@ -28,7 +28,7 @@ def test_compile_on_and_off_give_the_same_greedy_tokens(tiny_run, capsys):
                                  "--device", "cpu", "--compile", choice)
         assert code == 0, err
         outs[choice] = out
-        how = "compiled" if choice == "on" else "eager"
+        how = "decode step compiled" if choice == "on" else "eager"
         assert re.search(rf"\d+ tokens in [\d.]+ s after loading in [\d.]+ s \({how}\): first token after", err), err
         assert re.search(r"then \d+ tokens at [\d,.]+ tokens/s over 2 sequence\(s\), timed after the first decode "
                          r"hand-over", err), err
@@ -47,7 +47,7 @@ def test_the_rate_leaves_out_the_first_hand_overs():
         first_token_at = 0.0
 
     line = clock.report(1.5, 0.0, 7.0, [Done(), Done()], 10, compiled=True, captured=True)
-    assert "first token after 0 ms (prefill of 10 prompt tokens, compilation included)" in line
+    assert "first token after 0 ms (an eager prefill of 10 prompt tokens)" in line
     assert "then 40 tokens at 20.0 tokens/s over 2 sequence(s)" in line
     assert "(5.00 s, compiling and capturing the step on first use)" in line
     clock.deliveries = [(0.0, 1), (0.5, 2)]

@@ -12,7 +12,7 @@ from archlab.errors import UsageError
 
 
 # ``--compile auto`` compiles the decode step when a generation has at least this many steps: a
-# compiled step fuses its kernels, but compiling it and the prefill costs seconds, which a short
+# compiled step fuses its kernels, but compiling it costs seconds, which a short
 # generation does not win back (an eager step is still captured as a CUDA graph). The threshold
 # is a first choice, to be set from GPU measurements (docs/benchmarks.md).
 AUTO_COMPILE_MIN_STEPS = 256
@@ -40,7 +40,8 @@ def cmd_generate(args) -> int:
     if hasattr(model.rows, "sample") or args.diffusion_steps is not None:  # a model that samples whole sequences
         return generate_by_denoising(args, model, tok, eos, loaded - started)
     compiled = use_compile(args.compile, model.lm_head.weight.device.type, args.max_new_tokens)
-    engine = Engine(model, slots=len(args.prompt), speculate=speculate, compile=compiled)
+    # One prefill per generation: compiling it would cost seconds for a shape used once.
+    engine = Engine(model, slots=len(args.prompt), speculate=speculate, compile=compiled, compile_prefill=False)
     ctx = engine.max_len  # speculation keeps one slot of the model's context (infer.speculative)
     if args.max_new_tokens >= ctx:
         raise UsageError(f"--max-new-tokens must be below the model's context of {ctx} tokens "
@@ -133,10 +134,9 @@ class GenerationClock:
                captured: bool) -> str:
         n = sum(len(r.tokens) for r in requests)
         ttft = min(r.first_token_at for r in requests) - t0
-        how = "compiled" if compiled else "eager"
+        how = "decode step compiled" if compiled else "eager"
         line = (f"{n} tokens in {wall:.2f} s after loading in {load_s:.2f} s ({how}): first token after "
-                f"{ttft * 1e3:,.0f} ms (prefill of {prompt_tokens} prompt tokens")
-        line += ", compilation included)" if compiled else ")"
+                f"{ttft * 1e3:,.0f} ms (an eager prefill of {prompt_tokens} prompt tokens)")
         later = self.deliveries[1:]  # the first hand-over is the prefill's first tokens
         if len(later) >= 2 and later[-1][1] > later[0][1]:
             (t_a, c_a), (t_b, c_b) = later[0], later[-1]
@@ -358,8 +358,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop a row after this text's first token (repeatable); end-of-text always stops")
     g.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (the same seed gives the same text)")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="compile the decode step and prefill with torch.compile (faster steps, seconds to "
-                        f"compile); auto: on CUDA for --max-new-tokens >= {AUTO_COMPILE_MIN_STEPS}, else eager "
+                   help="compile the decode step with torch.compile (faster steps, seconds to compile; the "
+                        f"one prefill runs eagerly); auto: on CUDA for --max-new-tokens >= {AUTO_COMPILE_MIN_STEPS}, else eager "
                         "(on CUDA still a captured CUDA graph); the same greedy tokens either way")
     g.add_argument("--diffusion-steps", type=positive_int, metavar="N",
                    help="a model.objective uniform-diffusion checkpoint (required for one, refused for others): "

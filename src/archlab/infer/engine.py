@@ -77,7 +77,7 @@ class Request:
 class Engine:
     def __init__(self, model: Transformer, slots: int = 8, max_len: int | None = None,
                  compile: bool | None = None, sync_every: int = 16, compile_mode: str | None = None,
-                 speculate: SpeculativeOptions | None = None):
+                 speculate: SpeculativeOptions | None = None, compile_prefill: bool | None = None):
         self.model = model.eval()
         cfg = model.cfg
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -91,6 +91,10 @@ class Engine:
         self.sync_every = sync_every
         self.cuda = self.device.type == "cuda"
         self.compile = self.cuda if compile is None else compile
+        # ``compile_prefill=False`` (``generate``: one prefill, then many steps): the prefill runs
+        # eagerly and uncaptured, since compiling or capturing a shape used once costs more than
+        # it saves; the decode step is still compiled (``compile``) and captured.
+        self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
         self.cache = model.new_cache(slots, self.max_len + (speculate is not None))
         dev = self.device
         # Per-slot state, read and updated by the decode step (static addresses for the graph).
@@ -323,7 +327,7 @@ class _Prefill:
         self.rows = torch.zeros(n, dtype=torch.long, device=dev)
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(n, e.vocab, device=dev)
-        self.fn = torch.compile(self._impl, dynamic=False) if e.compile else self._impl
+        self.fn = torch.compile(self._impl, dynamic=False) if e.compile_prefill else self._impl
         self.replay: Callable[[], None] | None = None
 
     def _impl(self) -> tuple[Tensor, Tensor]:
@@ -347,7 +351,7 @@ class _Prefill:
     def __call__(self, idx: Tensor, lengths: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
         for buf, value in ((self.idx, idx), (self.lengths, lengths), (self.rows, rows)):
             buf.copy_(value, non_blocking=True)
-        if not self.engine.cuda:
+        if not self.engine.cuda or not self.engine.compile_prefill:
             self._body()
         else:
             if self.replay is None:  # the warm-up calls prefill these very prompts
