@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from archlab.infer.logprobs import TokenLogprob, chosen_logprobs
-from archlab.infer.sampling import SamplingParams, penalise, sample, token_keys
+from archlab.infer.sampling import SamplingParams, eager_inside_compiled, penalise, sample, token_keys
 from archlab.infer.speculative import SelfSpeculative, SpeculativeOptions
 from archlab.model.core.decoder import Transformer
 
@@ -117,6 +117,8 @@ class Engine:
         self._graphs: dict[tuple[bool, bool], Callable[[], None]] = {}  # by (greedy, penalised)
         self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._pool = None  # the CUDA graphs' shared memory pool
+        if self.compile or self.compile_prefill:
+            eager_inside_compiled()
         if self.compile:
             from torch import _dynamo
 

@@ -17,6 +17,7 @@ tokens that the engine keeps on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -124,10 +125,27 @@ def penalise(logprobs: Tensor, counts: Tensor, presence: Tensor, frequency: Tens
     return logprobs.float() + bias - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
-@torch.compiler.disable  # eager inside compiled steps, like ``sample`` (the speculative step calls it itself)
+# ``restrict`` and ``sample`` run eagerly inside compiled steps: inductor (torch 2.11) failed to
+# generate their sort/softmax. Marking a function so (``torch.compiler.disable``) imports
+# torch._dynamo, 1.7 s of a 3.2 s eager ``archlab generate`` on a 2-core CPU, so the marked copies
+# are made only by ``eager_inside_compiled``, which the engine calls before it compiles a step.
+_MARKED: dict[str, Callable] = {}
+
+
+def eager_inside_compiled() -> None:
+    """Have ``restrict`` and ``sample`` run eagerly when compiled code calls them (call before
+    compiling any code that calls them)."""
+    if not _MARKED:
+        _MARKED.update(restrict=torch.compiler.disable(_restrict), sample=torch.compiler.disable(_sample))
+
+
 def restrict(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
     """(the logits divided by each row's temperature, the tokens top-k and top-p keep) for
     log-probabilities [B, V]: what ``sample`` draws among, and ``sampling_probs`` normalises."""
+    return _MARKED.get("restrict", _restrict)(logprobs, temperature, top_k, top_p)
+
+
+def _restrict(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
     logits = logprobs.float()
     vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
@@ -152,7 +170,6 @@ def sampling_probs(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     return torch.where((temperature > 0)[:, None], probs, onehot)
 
 
-@torch.compiler.disable  # eager inside compiled steps: inductor (torch 2.11) failed to generate its sort/softmax
 def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
            position: Tensor, keys: Tensor | None = None, restricted: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One token per row from log-probabilities [B, V]; rows with temperature 0 take the argmax.
@@ -164,6 +181,11 @@ def sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, 
     which compiled callers pass in (computed once, outside the compiled code); ``restricted``:
     ``restrict``'s result for these arguments, when the caller has it.
     """
+    return _MARKED.get("sample", _sample)(logprobs, temperature, top_k, top_p, seed, position, keys, restricted)
+
+
+def _sample(logprobs: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+            position: Tensor, keys: Tensor | None, restricted: tuple[Tensor, Tensor] | None) -> Tensor:
     greedy = logprobs.argmax(-1)
     scaled, kept = restricted or restrict(logprobs, temperature, top_k, top_p)
     if keys is None:
