@@ -10,7 +10,9 @@ clients. Reports completed streams (none may be lost), tokens received, aggregat
 per-stream time to first token, and how the engine batched them: decode steps, the mean and the
 most active slots per step (1 means the streams ran one after another), prefill calls and the
 requests they admitted. ``--step-delay`` adds seconds to every decode step (a GIL-free sleep,
-like waiting for a GPU). Prints one JSON object per load level.
+like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time):
+what is left is the host path's own rate (scheduling, detokenising, server-sent events, the event
+loop), the ceiling the server can reach on any model. Prints one JSON object per load level.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--preset", default="124m", help="a config preset, or tiny (the tests' tiny model)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per decode step")
+    ap.add_argument("--null-model", action="store_true",
+                    help="decode steps that cost nothing (the same token every step): the host path's own rate")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--clients-in-process", action="store_true",
@@ -145,6 +149,17 @@ def main() -> None:
     t = time.perf_counter()
     engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
     print(json.dumps({"warm_up_s": time.perf_counter() - t}), flush=True)
+    if args.null_model:
+        # The host path alone: every decode step returns the same token at no model cost, so the
+        # rate is what scheduling, detokenising and the server-sent events allow.
+        fixed = torch.full((engine.slots,), ord("a"), dtype=torch.long, device=engine.device)
+
+        def null_step(*args_, **kwargs):
+            engine.positions.add_(1).clamp_(max=engine.max_len - 1)
+            engine.tokens.copy_(fixed)
+            return engine.tokens
+
+        engine.step = null_step  # type: ignore[method-assign]
     if args.step_delay:
         step = engine.step
 
