@@ -231,14 +231,19 @@ class Engine:
         key = (greedy, penalised)
         graph = self._graphs.get(key)
         if graph is None:
-            # The warm-up steps write into the state: it is restored afterwards (their cache writes
-            # land at positions that prefill or decoding overwrite before reading them).
-            saved = [t.clone() for t in (self.tokens, self.positions)]
-            graph = self._graphs[key] = self.capture(lambda: self._step_body(greedy, penalised), "decode step")
-            self.tokens.copy_(saved[0])
-            self.positions.copy_(saved[1])
+            graph = self._graphs[key] = self.capture_step(lambda: self._step_body(greedy, penalised), "decode step")
         graph()
         return self.tokens
+
+    def capture_step(self, body: Callable[[], None], what: str) -> Callable[[], None]:
+        """``capture`` for a decode step: its warm-up runs advance the slots' tokens and positions,
+        which are put back afterwards (their cache writes land at positions that prefill or
+        decoding overwrite before reading them; the step's predictions are the next run's)."""
+        saved = [t.clone() for t in (self.tokens, self.positions)]
+        graph = self.capture(body, what)
+        self.tokens.copy_(saved[0])
+        self.positions.copy_(saved[1])
+        return graph
 
     def capture(self, body: Callable[[], None], what: str) -> Callable[[], None]:
         """``body`` compiled (by its first calls) and captured as a CUDA graph, in the engine's one

@@ -206,17 +206,11 @@ class SelfSpeculative:
 
     def _prepare(self, greedy: bool) -> Callable[[], None]:
         """The step body for ``greedy``, compiled when the engine compiles and, on CUDA, captured
-        as a CUDA graph (the warm-up runs change the slots' state, which is put back after)."""
+        as a CUDA graph (``Engine.capture_step``)."""
         e = self.engine
         fn = torch.compile(self._body, dynamic=False) if e.compile else self._body
         body = lambda: fn(greedy)  # noqa: E731
-        if not e.cuda:
-            return body
-        saved = [t.clone() for t in (e.tokens, e.positions, e.logprobs)]
-        graph = e.capture(body, f"speculative step ({'greedy' if greedy else 'sampled'})")
-        for t, old in zip((e.tokens, e.positions, e.logprobs), saved):
-            t.copy_(old)
-        return graph
+        return e.capture_step(body, f"speculative step ({'greedy' if greedy else 'sampled'})") if e.cuda else body
 
     def _body(self, greedy: bool) -> None:
         """The step over every slot at fixed shapes (``K`` drafts, all slots: one graph serves

@@ -48,7 +48,9 @@ class _ReadoutStats(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         h, w = hidden.to(dtype), weight.to(dtype)
         n = hidden.shape[0]
-        lse, picked, col = (torch.zeros(n if s else 0, device=hidden.device, dtype=acc) for s in (1, 1, squared))
+        lse = torch.empty(n, device=hidden.device, dtype=acc)
+        picked = torch.empty(n, device=hidden.device, dtype=acc)
+        col = torch.empty(n if squared else 0, device=hidden.device, dtype=acc)
         safe = targets.clamp_min(0)
         with torch.autocast(hidden.device.type, enabled=False):  # the product's dtype is chosen above
             for start in range(0, n, chunk):
