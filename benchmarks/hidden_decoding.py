@@ -112,19 +112,28 @@ def main() -> None:
     ap.add_argument("--train-batch", type=int, default=16, help="training sequences per step")
     ap.add_argument("--train-steps", type=int, default=10, help="timed training steps")
     ap.add_argument("--train-warmup", type=int, default=3, help="untimed training steps first (compilation)")
+    ap.add_argument("--labels", help="only these labels (comma-separated: baseline, decode-branch, hidden-N); the "
+                    "baseline always runs, since every ratio is to it")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     streams = [int(n) for n in args.streams.split(",")]
+    labels = variants(streams)
+    if args.labels:
+        keep = {"baseline", *args.labels.split(",")}
+        unknown = keep - set(labels)
+        if unknown:
+            ap.error(f"--labels: unknown {', '.join(sorted(unknown))} (known: {', '.join(labels)})")
+        labels = {k: v for k, v in labels.items() if k in keep}
     batches = [int(b) for b in args.batches.split(",")]
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}),
           flush=True)
     rows = []
     for preset in [p for p in args.train_presets.split(",") if p]:
         base = None
-        for label, over in variants(streams).items():
+        for label, over in labels.items():
             if label == "decode-branch":
                 continue  # the branch's training cost is measured in benchmarks/train_throughput.py
             model = build(preset, over, args.seq_len, device, torch.float32)
@@ -141,7 +150,7 @@ def main() -> None:
     with torch.no_grad():
         for preset in [p for p in args.presets.split(",") if p]:
             refs: dict[str, float] = {}
-            for label, over in variants(streams).items():
+            for label, over in labels.items():
                 model = build(preset, over, max_len, device, dtype).eval()
                 r = {"kind": "infer", "preset": preset, "variant": label,
                      "ttft_ms": bench_prefill(model, args.prompt).ms}
