@@ -32,8 +32,9 @@ from pathlib import Path
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
+# The line `generate` prints (archlab.infer.cli.GenerationClock.report); the row keeps it whole.
 REPORT = re.compile(r"(?P<n>\d+) tokens in (?P<wall>[\d.]+) s after loading in (?P<load>[\d.]+) s.*?"
-                    r"first token after (?P<ttft>[\d,]+) ms"
+                    r"first token after (?P<ttft>[\d,]+) ms(?: \([^)]*\))?"
                     r"(?:, then (?P<timed>\d+) tokens at (?P<rate>[\d,.]+) tokens/s.*?\((?P<setup>[\d.]+) s)?")
 
 
@@ -52,7 +53,7 @@ def parse_report(stderr: str) -> dict:
     if m is None:
         raise SystemExit(f"no generate report in:\n{stderr[-2000:]}")
     num = lambda k: None if m.group(k) is None else float(m.group(k).replace(",", ""))  # noqa: E731
-    return {"tokens": int(m.group("n")), "generate_s": num("wall"), "load_s": num("load"), "ttft_ms": num("ttft"),
+    return {"report": m.group(0), "tokens": int(m.group("n")), "generate_s": num("wall"), "load_s": num("load"), "ttft_ms": num("ttft"),
             "decode_tokens_timed": num("timed"), "decode_tokens_per_s": num("rate"), "setup_s": num("setup")}
 
 
