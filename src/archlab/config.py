@@ -95,10 +95,12 @@ class TrainConfig:
     parallel: Literal["none", "ddp", "fsdp"] = "none"
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     # The loss without the [B, T, V] logits kept for the backward (kernels/linear_cross_entropy.py:
-    # chunked, the head's product recomputed in the backward): the same loss for rows kinds with
-    # the plain softmax readout, less memory; the others read out as usual. Off by default until
-    # its speed is measured on the GPU.
-    fused_readout: bool = False
+    # chunked, the head's product recomputed in the backward): the same loss, less memory; rows
+    # kinds without statistics-only losses read out as usual. None (auto): where the rows kind
+    # says it pays (``fused_readout_by_default``: the decode branch, whose two readouts keep two
+    # logits tensors; on an H200 at 124m its peak fell from 49.7 to 32.9 GiB at 1.03x the
+    # tokens/s, while the baseline's peak did not move and its rate was 0.97x, docs/benchmarks.md).
+    fused_readout: bool | None = None
     dist_timeout_s: int = 600  # a collective that waits longer than this fails the run
 
     #: fields that choose a layout over processes or how the same loss is computed; equal runs

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from archlab.config import make_config
+from archlab.errors import ConfigError
 from archlab.kernels.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, linear_readout_stats
 from archlab.model import build_model
-from archlab.train.trainer import train
+from archlab.train.trainer import resolve_fused_readout, train
 from tests.conftest import small_config
 
 
@@ -164,3 +165,23 @@ def test_the_trainer_trains_the_same_run_with_the_fused_readout(stdlib_data, tmp
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert fused.val_curve[-1]["loss"] == pytest.approx(plain.val_curve[-1]["loss"], rel=1e-5)
     assert fused_cfg.hash() == small_config(stdlib_data, *extra).hash()  # how the loss is computed, not what
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ((), False),  # auto: one readout keeps its logits (no smaller peak measured)
+    (("model.branch.enabled=true",), True),  # auto: the branch's two readouts use the statistics
+    (("model.branch.enabled=true", "train.fused_readout=false"), False),  # an explicit choice wins
+    (("train.fused_readout=true",), True),
+])
+def test_fused_readout_auto_follows_the_rows_kind(overrides, expected):
+    cfg = make_config("tiny", overrides=list(overrides))
+    assert resolve_fused_readout(cfg.train, build_model(cfg.model)) is expected
+    # a layout field: an explicit choice is recorded in the run's config, auto is not (so the
+    # configs and run ids of runs from before the option existed stay what they were)
+    assert ("fused_readout" in cfg.to_dict()["train"]) is (cfg.train.fused_readout is not None)
+    assert cfg.hash() == make_config("tiny", overrides=[o for o in overrides if "fused" not in o]).hash()
+
+
+def test_fused_readout_refuses_a_value_that_is_not_a_bool():
+    with pytest.raises(ConfigError, match="train.fused_readout"):
+        make_config("tiny", overrides=["train.fused_readout=maybe"])

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from archlab.config import RunConfig, dump_yaml
+from archlab.config import RunConfig, TrainConfig, dump_yaml
 from archlab.errors import ArchlabError, CheckpointError, TrainingDiverged
 from archlab.model import build_model
 from archlab.model.accounting import mfu_flops_per_token, param_counts
@@ -106,6 +106,14 @@ def _load_optim(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], me
 
 
 # ---- the run -----------------------------------------------------------------------------------
+def resolve_fused_readout(tc: TrainConfig, model) -> bool:
+    """``train.fused_readout``, with None (auto) resolved by the model's rows kind: on where its
+    ``fused_readout_by_default`` says the statistics-only loss pays (the same loss either way)."""
+    if tc.fused_readout is not None:
+        return tc.fused_readout
+    return bool(getattr(model.rows, "fused_readout_by_default", False))
+
+
 class Run:
     """One training run in this process. ``dist``: this process's place in a distributed run
     (``archlab.train.distributed.setup``), or None for a single process; the model is then
@@ -137,6 +145,7 @@ class Run:
         # Distributed, compilation is per block (distributed.wrap): a graph per block is what
         # DDP's bucketing and FSDP's per-block gathers work with.
         self.step_fn = torch.compile(self.model) if tc.compile and dist is None else self.model
+        self.fused_readout = resolve_fused_readout(tc, distributed.unwrap(self.model))
         self.graphed = GraphedStep(self._update, self.opt, self.device) if tc.cuda_graph else None
         self.step = 0
         self.last_eval = None  # the latest evaluate()'s CorpusScore
@@ -170,7 +179,7 @@ class Run:
         total = torch.zeros((), device=self.device)
         for x, y in batches:
             with self.autocast:
-                loss = self.step_fn(x, y, return_logits=not self.cfg.train.fused_readout).loss / len(batches)
+                loss = self.step_fn(x, y, return_logits=not self.fused_readout).loss / len(batches)
             loss.backward()
             total += loss.detach()
         # Gradients are already averaged over the ranks here (DDP, FSDP), so the norm is the
