@@ -73,9 +73,11 @@ def main() -> None:
     ap.add_argument("--prompt", default="def parse(")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--src", default=SRC, help="the archlab source tree to time (another checkout's src/ times "
+                                               "its code in the same call, for a before/after pair)")
     args = ap.parse_args()
 
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(Path(args.src).resolve()) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rows = []
     reference: dict[int, str] = {}
     for n in [int(v) for v in args.tokens.split(",")]:

@@ -157,3 +157,54 @@ def test_temporaries_are_named_as_prepared_data_names_them(tmp_path, dead_pid):
     assert ckpt_io.remove_stale_temporaries(tmp_path) == [theirs]
     ours = _leftover(temporary_path(tmp_path / "step_0000001", "tmp", pid=dead_pid), {"x.bin": "x"})
     assert prepare_cleanup(tmp_path / "data") == [ours]
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_weights_only_load_equals_the_saved_model_and_checks_what_it_reads(tiny_run, tmp_path):
+    """load_model builds without drawing an init (every tensor is loaded): the loaded model equals
+    the trained one tensor for tensor, and the global RNG is not what makes it so. It hashes the
+    weights it reads, not the optimizer's moments, which the resume path still checks."""
+    import shutil
+
+    from archlab.model import build_model
+
+    step = tmp_path / "step"
+    shutil.copytree(tiny_run / "ckpt" / "step_0000006", step)
+    saved = ckpt_io.load_tensors(step, "model")
+    torch.manual_seed(123)
+    model, cfg, _ = ckpt_io.load_model(step)
+    torch.manual_seed(456)
+    again, _, _ = ckpt_io.load_model(step)
+    for name, t in ckpt_io.model_tensors(model).items():
+        assert torch.equal(t, saved[name]), name
+        assert torch.equal(t, ckpt_io.model_tensors(again)[name]), name
+    fresh = build_model(cfg.model)  # the init functions are back once the load is done
+    assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    assert fresh.lm_head.weight.std() > 0
+
+    _corrupt(step / "optim.safetensors")
+    ckpt_io.load_model(step)  # weights-only: the optimizer file is not read, so not hashed
+    with pytest.raises(ckpt_io.CheckpointError, match="optim.safetensors does not match"):
+        ckpt_io.read_state(step)  # what a resume reads
+    _corrupt(step / "model.safetensors")
+    with pytest.raises(ckpt_io.CheckpointError, match="model.safetensors does not match"):
+        ckpt_io.load_model(step)
+    shutil.rmtree(step)
+    shutil.copytree(tiny_run / "ckpt" / "step_0000006", step)
+    (step / "optim.safetensors").unlink()  # unread, but still named by state.json: not a checkpoint as written
+    with pytest.raises(ckpt_io.CheckpointError, match="optim.safetensors is missing"):
+        ckpt_io.load_model(step)
+
+
+def test_init_skipped_restores_the_init_functions_after_an_error():
+    before = torch.nn.init.normal_
+    with pytest.raises(RuntimeError), ckpt_io.init_skipped():
+        assert torch.nn.init.normal_ is not before
+        raise RuntimeError("boom")
+    assert torch.nn.init.normal_ is before
+    assert torch.nn.init.normal_(torch.zeros(1000)).std() > 0.5

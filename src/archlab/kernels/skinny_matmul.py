@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 from torch import Tensor
 
 from archlab.kernels import interpreting
@@ -91,8 +92,28 @@ def _prune(configs, named_args, **kwargs):
 # EVEN follows from the shape and the configuration that autotuning picks.
 _kernel = triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["K"] % a["BLOCK_K"] == 0})(
     _skinny_matmul_kernel)
+
+
+def _quick_bench(kernel_call, quantiles):
+    """Time one configuration for 5 + 20 ms, not Triton's default 25 + 100: these kernels run for
+    2-60 us, so 20 ms still averages hundreds of runs, and the default made tuning the 5 weight
+    shapes of a batch-1 decode step (18 configurations each) cost about 11 s at the start of
+    every ``archlab generate``."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _tuning_options() -> dict:
+    """Where this Triton has them: the quick timing above, and the choices kept on disk in
+    Triton's cache (``cache_results``), so that a later process reads them instead of tuning
+    again (the cache key holds the kernel's source, the configurations, the GPU and the shape)."""
+    import inspect
+
+    params = inspect.signature(triton.runtime.autotuner.Autotuner.__init__).parameters
+    return {k: v for k, v in (("do_bench", _quick_bench), ("cache_results", True)) if k in params}
+
+
 _tuned_kernel = triton.autotune(configs=_configs(), key=["N", "K", "M"],
-                                prune_configs_by={"early_config_prune": _prune})(_kernel)
+                                prune_configs_by={"early_config_prune": _prune}, **_tuning_options())(_kernel)
 
 
 def skinny_matmul_reference(x: Tensor, w: Tensor) -> Tensor:
