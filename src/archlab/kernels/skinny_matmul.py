@@ -96,9 +96,9 @@ _kernel = triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a[
 
 def _quick_bench(kernel_call, quantiles):
     """Time one configuration for 5 + 20 ms, not Triton's default 25 + 100: these kernels run for
-    2-60 us, so 20 ms still averages hundreds of runs, and the default made tuning the 5 weight
-    shapes of a batch-1 decode step (18 configurations each) cost about 11 s at the start of
-    every ``archlab generate``."""
+    2-60 us, so 20 ms still averages hundreds of runs. By arithmetic (not timed yet), the default
+    costs 5 weight shapes x 18 configurations x 125 ms, about 11 s, at the start of every batch-1
+    ``archlab generate``: about what a warm eager run spent in generate on the H200 (8.4 s)."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
