@@ -25,7 +25,8 @@ over the visits itself (its sites are per visit). A schedule kind may state a co
 loop's channel between iterations) and, for layer dropout, each visit's mean probability of
 running in training: training FLOPs (and MFU) count a visit by that probability, the FLOPs a run
 actually spends on average; prefill and decode run every visit. A component only inference runs
-(``Cost.trained`` false) counts in prefill and decode, not in training.
+(``Cost.trained`` false) counts in prefill and decode, not in training; one only training runs
+(a schedule's ``training_cost``: layer dropout's early-exit readouts) in training alone.
 
 Follower rows (the decode branch's) add rows, not weights: prefill is the primary's alone,
 decode and training run ``1 + followers`` rows; followers compute no keys/values and read no
@@ -85,6 +86,8 @@ def parts(cfg: ModelConfig) -> list[Part]:
     out.append(Part("residual", None, cfg.variant("residual").load().cost(cfg, visit_specs(cfg, specs))))
     if hasattr(schedule, "cost"):  # the schedule's own components (a loop's channel)
         out.append(Part("schedule", None, schedule.cost(cfg, specs)))
+    if hasattr(schedule, "training_cost"):  # what only training runs (layer dropout's exit loss)
+        out.append(Part("schedule_training", None, schedule.training_cost(cfg, specs), runs=0, train_runs=1.0))
     for s in specs:
         norms = Cost(params=sum(norm.cost(cfg, site, s.d).params for site in ("attn_in", "attn_out", "mlp_in", "mlp_out")))
         runs = visits.count(s.layer)

@@ -14,6 +14,7 @@ from tests.helpers import assert_config_refused, assert_same_function_bitwise
 from archlab.config import make_config
 from archlab.io.checkpoint import resolve_checkpoint
 from archlab.model import build_model
+from archlab.model.core.context import Context
 from archlab.model.accounting import costs, mfu_flops_per_token, per_layer
 from archlab.model.variants.layer_dropout.module import step_flops
 from archlab.model.variants.layer_dropout.schedule import mean_drop_rate
@@ -217,3 +218,79 @@ def test_it_composes_with_the_zoo(option):
         opt.step()
     assert min(model.schedule.kept_fraction.values()) < 1
     assert_matches_full_forward(model.eval(), [tokens(1, 9, seed=s)[0].tolist() for s in (1, 2)], prompt_lens=[3, 5])
+
+
+# ---- the early-exit loss ---------------------------------------------------------------------------
+EXIT = [DROP, "model.layer_dropout.p_max=0"]  # no drops: the loss is a deterministic function
+
+
+def exit_nll(model, x, n):
+    """The next-token loss read out after ``n`` visits, in the model's dtype (the readout's own
+    ``nll`` rounds its logits to float32)."""
+    idx = x[:, :-1]
+    hidden = model.run(model.tok_emb(idx), Context(rope=model.position.tables(idx.shape[1])), exit_after=n)
+    return torch.nn.functional.cross_entropy(model.logits(hidden).flatten(0, 1), x[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("exits", [[1, 3], []])
+def test_the_exit_loss_adds_the_weighted_mean_of_its_exits_losses(exits):
+    weight = 0.7
+    model = built(*EXIT, f"model.layer_dropout.exit_loss={weight}", f"model.layer_dropout.exits={exits}").double()
+    x = tokens(3, 13)
+    out = model(x[:, :-1], x[:, 1:])
+    chosen = exits or [1, 2, 3]  # empty: every exit before the last
+    want = sum(exit_nll(model, x, n) for n in chosen) / len(chosen)
+    assert out.nll.item() == pytest.approx(exit_nll(model, x, 4).item(), rel=1e-6)  # float32 readout
+    assert out.aux_loss.item() == pytest.approx(weight * want.item(), rel=1e-12)
+    assert torch.equal(out.loss, out.nll + out.aux_loss)
+    # and its gradient is that sum's: the exits train the layers below them through the shared head
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out.loss, params, retain_graph=True)
+    ref = torch.autograd.grad(out.nll + weight * want, params)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-8)  # attention backward: float32-level
+
+
+def test_the_exit_loss_is_training_only():
+    with_loss = built(*EXIT, "model.layer_dropout.exit_loss=2", "model.layer_dropout.exits=[2]").eval()
+    without = built(*EXIT).eval()
+    x = tokens(2, 12)
+    a, b = with_loss(x[:, :-1], x[:, 1:]), without(x[:, :-1], x[:, 1:])
+    assert a.aux_loss is None and torch.equal(a.loss, b.loss)
+    with_loss.train()
+    assert with_loss(x[:, :-1], x[:, 1:]).loss > with_loss(x[:, :-1], x[:, 1:]).nll
+
+
+def test_the_compiled_exit_loss_equals_the_eager_one():
+    model = built(*EXIT, "model.layer_dropout.exit_loss=0.5")
+    x = tokens(2, 12)
+    eager = model(x[:, :-1], x[:, 1:]).loss
+    compiled = torch.compile(model, backend="aot_eager")(x[:, :-1], x[:, 1:]).loss
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_the_exit_loss_counts_its_readouts_in_training_flops_only():
+    context = 32
+    plain = costs(cfg_of(*EXIT), context)
+    two = costs(cfg_of(*EXIT, "model.layer_dropout.exit_loss=1", "model.layer_dropout.exits=[1,2]"), context)
+    assert two["train_flops_per_token"] == pytest.approx(plain["train_flops_per_token"] + 3 * 2 * (2 * D * V), rel=1e-12)
+    every = costs(cfg_of(*EXIT, "model.layer_dropout.exit_loss=1"), context)
+    assert every["train_flops_per_token"] == pytest.approx(plain["train_flops_per_token"] + 3 * 3 * (2 * D * V), rel=1e-12)
+    for key in ("prefill_flops_per_token", "decode_flops_per_token", "decode_bytes_per_step", "params_total"):
+        assert two[key] == plain[key], key
+
+
+EXIT_BAD = {
+    "negative": (["model.layer_dropout.exit_loss=-1"], "model.layer_dropout.exit_loss: must be a finite weight"),
+    "last": (["model.layer_dropout.exit_loss=1", "model.layer_dropout.exits=[4]"],
+             "model.layer_dropout.exits: an early-exit loss may follow visits [1, 2, 3]"),
+    "zero": (["model.layer_dropout.exits=[0]"], "model.layer_dropout.exits: an early-exit loss may follow"),
+    "diffusion": (["model.layer_dropout.exit_loss=1", "model.objective=uniform-diffusion"],
+                  "model.layer_dropout.exit_loss: the early-exit loss reads"),
+}
+
+
+@pytest.mark.parametrize("name", list(EXIT_BAD))
+def test_bad_exit_options_are_one_line(name):
+    extra, message = EXIT_BAD[name]
+    assert_config_refused(cfg_of, [*EXIT, *extra], message)

@@ -110,6 +110,9 @@ class Context:
     rows: Pass | None = None  # None: the plain pass
     visit: int = 0  # index into the layer schedule (``Transformer.visits``); keys cache, taps, shares
     aux: "AuxLosses" = field(default_factory=lambda: AuxLosses())  # training-only losses (MoE balance)
+    #: called after the visits an exit may follow with that exit's final-normed state
+    #: (``Transformer.run``'s ``on_exit``): a training run's early-exit loss; None: nothing
+    on_exit: Any = None
 
     def __post_init__(self) -> None:
         # Not a field default: torch.compile cannot trace an object it meets only as a default

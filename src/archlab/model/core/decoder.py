@@ -178,6 +178,7 @@ class Transformer(nn.Module):
         if exit_after is not None and exit_after not in self.exit_points:
             raise ValueError(f"exit_after={exit_after}: an exit may follow visits {self.exit_points}")
         until = len(self.visits) if exit_after is None else exit_after
+        on_exit = on_exit if on_exit is not None else ctx.on_exit
         return self.read_out(self.advance(self.begin(x, ctx), ctx, until, on_exit))
 
     def begin(self, x: Tensor, ctx: Context) -> RunState:
@@ -216,7 +217,8 @@ class Transformer(nn.Module):
                 state = self.residual.write(state, site + 1, out)
             else:
                 state = self._run_kept_rows(block, state, kept, vctx)
-            if on_exit is not None and width == self.final_width:
+            # ``on_exit.visits``: the only visits a hook reads (the early-exit loss's exits)
+            if on_exit is not None and width == self.final_width and visit in getattr(on_exit, "visits", (visit,)):
                 on_exit(visit, self.norm(self.residual.final(state)))
         return dataclasses.replace(run, state=state, done=until, width=width, seen=seen)
 
@@ -268,6 +270,11 @@ class Transformer(nn.Module):
         can (``rows.fused_nll``: the plain readout and the decode branch's) computes it without
         keeping the [B, T, V] logits; the output's ``logits`` is then None."""
         ctx = Context(rope=self.position.tables(idx.shape[1]))
+        # A schedule kind that trains early exits too (layer dropout's exit loss) reads each
+        # exit of the training run, adding its loss to the run's training-only losses.
+        exit_hook = getattr(self.schedule, "exit_loss_hook", None)
+        if exit_hook is not None and self.training and targets is not None and exit_after is None:
+            ctx.on_exit = exit_hook(self, targets, ctx.aux)
         # A rows kind that is a training objective of its own (``model.objective``: uniform
         # diffusion) scores the clean targets itself rather than predicting them from ``idx``.
         own = getattr(self.rows, "objective_nll", None) if targets is not None else None

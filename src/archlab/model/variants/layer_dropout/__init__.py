@@ -8,12 +8,18 @@ over the run (``decay``); a kept block's update is scaled by ``1/(1-p)``. Evalua
 decoding run every visit unscaled. The visits themselves are another schedule kind's
 (``schedule``: ``sequential`` or ``looped``), so dropout composes with loops. Dropped rows are
 not computed: the decoder runs a block on the kept rows only (``Transformer.run``).
+
+An optional early-exit loss (``exit_loss``, ``exits``) trains chosen exits through the shared
+final norm and head as well (LayerSkip's recipe, arXiv 2404.16710, pairs it with layer dropout):
+the paper this kind follows names early exit and self-speculative drafting as uses of dropout
+but trains no exit; without an exit loss the shallow exits of a short run draft poorly
+(``docs/benchmarks.md``, self-speculative decoding).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from archlab.model import registry
 from archlab.model.registry import Variant, register
@@ -26,6 +32,12 @@ class LayerDropoutConfig:
     decay: bool = True  # the probabilities fall linearly to 0 over the run (false: constant)
     #: the schedule kind whose visits are dropped (its own options apply: ``model.looped.*``)
     schedule: str = "sequential"
+    #: weight of the early-exit loss added in training: ``exit_loss`` times the mean next-token
+    #: loss read out after each of ``exits`` (0: none; evaluation reports the last exit's alone)
+    exit_loss: float = 0.0
+    #: the exits that loss trains, as numbers of visits run (``archlab probe exits`` lists them);
+    #: empty: every exit before the last
+    exits: list[int] = field(default_factory=list)
 
     def validate(self, model) -> None:
         check(math.isfinite(self.p_max) and 0 <= self.p_max < 1, "model.layer_dropout.p_max",
@@ -41,9 +53,32 @@ class LayerDropoutConfig:
         check(residual == "standard", "model.residual.kind",
               f"layer dropout adds a kept block's scaled update x + (Attn + FFN)/(1-p) to the hidden state, "
               f"which only the standard stream has; {residual!r} cannot be combined with it")
+        check(math.isfinite(self.exit_loss) and self.exit_loss >= 0, "model.layer_dropout.exit_loss",
+              f"must be a finite weight >= 0, got {self.exit_loss}")
+        if self.exit_loss > 0 or self.exits:
+            points = training_exit_points(model)
+            check(all(isinstance(e, int) and not isinstance(e, bool) and e in points for e in self.exits),
+                  "model.layer_dropout.exits", f"an early-exit loss may follow visits {points} (not the last, "
+                  f"whose loss is the model's own), got {self.exits}")
+            check(bool(points), "model.layer_dropout.exit_loss", "the model has no exit before its last visit")
+            check(model.objective == "autoregressive" and registry.kind_of(model, "rows") == "primary",
+                  "model.layer_dropout.exit_loss", f"the early-exit loss reads next-token predictions of the "
+                  f"plain rows; rows kind {registry.kind_of(model, 'rows')!r} / objective {model.objective!r} "
+                  f"cannot be combined with it")
         check(registry.followers(model) == 0, "model.schedule",
               "layer dropout draws per row of a run; the decode branch's follower rows run apart from their "
               "primary rows and would drop other blocks: turn one of them off")
+
+
+def training_exit_points(model) -> list[int]:
+    """The exits an early-exit loss may train: numbers of visits after which the state has the
+    final norm's width (``Transformer.exit_points``), the last visit excluded."""
+    from archlab.model.core.spec import layer_specs
+
+    specs = layer_specs(model)
+    visits = registry.variants("schedule")["layer_dropout"].load()(model).visits()
+    final = specs[visits[-1]].d
+    return [n for n in range(1, len(visits)) if specs[visits[n - 1]].d == final]
 
 
 register(Variant("schedule", "layer_dropout", "archlab.model.variants.layer_dropout.schedule:LayerDropout",

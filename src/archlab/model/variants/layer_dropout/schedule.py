@@ -105,9 +105,49 @@ class LayerDropout:
         finally:
             self.forced = None
 
+    # ---- the early-exit loss ------------------------------------------------------------------------
+    def exit_loss_hook(self, model: Any, targets: Any, aux: Any) -> "ExitLoss | None":
+        """What a training forward calls after each visit (``Transformer.run``'s ``on_exit``) to
+        add the early-exit loss to ``aux`` (the run's training-only losses); None when it is off."""
+        o = self.options
+        if o.exit_loss <= 0:
+            return None
+        exits = o.exits or [n for n in model.exit_points if n < self.n_visits]
+        return ExitLoss(model, targets, aux, [n - 1 for n in exits], o.exit_loss / len(exits))
+
     # ---- costs ------------------------------------------------------------------------------------
     @classmethod
     def cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
         """The underlying schedule's own cost (DiscoLoop's channel, never dropped)."""
         base = _base(cfg)
         return base.cost(cfg, specs) if hasattr(base, "cost") else Cost()
+
+    @classmethod
+    def training_cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
+        """What only training runs: the early-exit loss's readouts, one head matmul per exit
+        (the final norm is not counted, by the accounting's convention)."""
+        o = cfg.layer_dropout
+        if o.exit_loss <= 0:
+            return Cost()
+        from archlab.model.variants.layer_dropout import training_exit_points
+
+        final = specs[_base(cfg)(cfg).visits()[-1]].d
+        exits = len(o.exits or training_exit_points(cfg))
+        return Cost(flops=exits * 2 * final * cfg.vocab_size)
+
+
+class ExitLoss:
+    """``on_exit`` of a training run: after each visit in ``visits`` (0-based), the next-token
+    loss of that exit's readout (the shared final norm and head, without the logits kept),
+    scaled by ``weight``, joins the run's training-only losses."""
+
+    def __init__(self, model: Any, targets: Any, aux: Any, visits: list[int], weight: float) -> None:
+        self.model, self.targets, self.aux = model, targets, aux
+        self.visits = frozenset(visits)
+        self.weight = weight
+
+    def __call__(self, visit: int, hidden: Any) -> None:
+        from archlab.kernels.linear_cross_entropy import linear_cross_entropy
+
+        loss = linear_cross_entropy(hidden.flatten(0, 1), self.model.lm_head.weight, self.targets.flatten())
+        self.aux.items.append(loss * self.weight)
