@@ -5,8 +5,9 @@
         [--compile off,on,auto] [--repeats 2] [--device cuda] [--json FILE]
 
 For each ``--compile`` choice and each count of new tokens, the script starts ``archlab generate``
-as a new process (greedy, one prompt), first with an empty inductor cache of its own (``cold``:
-a machine that never ran it) and then ``--repeats`` times more with that cache kept (``warm``:
+as a new process (greedy, one prompt), first with empty inductor, Triton and archlab (bytecode,
+``archlab.bytecode``) caches of its own (``cold``: a machine that never ran it) and then
+``--repeats`` times more with those caches kept (``warm``:
 compiled artefacts from an earlier run exist). It records the process's wall time and parses the
 line `generate` prints (load time, first token, and the decode rate timed after the first decode
 hand-over). Then `archlab bench decode --batches 1` on the same checkpoint gives the engine's own
@@ -83,7 +84,8 @@ def main() -> None:
     for n in [int(v) for v in args.tokens.split(",")]:
         for choice in args.compile.split(","):
             with tempfile.TemporaryDirectory() as cache:
-                run_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+                run_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+                           "ARCHLAB_CACHE_DIR": os.path.join(cache, "archlab")}  # its bytecode cache too
                 for i in range(1 + args.repeats):
                     wall, done = archlab("generate", "--ckpt", args.ckpt, "--prompt", args.prompt, "--temperature",
                                          "0", "--max-new-tokens", str(n), "--compile", choice, "--device",

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from archlab.argtypes import config_args, int_at_least, positive_int
+from archlab.bytecode import enable_bytecode_cache
 from archlab.errors import ArchlabError, UsageError, is_out_of_memory, unwritable_path
 from archlab.io.temporaries import destination
 
@@ -386,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_bytecode_cache()  # before anything imports torch (archlab.bytecode says why)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
