@@ -6,6 +6,8 @@ inside ``torch.compile``; natively on CUDA, in Triton's CPU interpreter without 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -77,3 +79,39 @@ def test_inside_torch_compile(skinny, kernel_device):
     got = torch.compile(f, dynamic=False)(x, w)
     want = torch.nn.functional.silu(2 * x.double().cpu() @ w.double().cpu().T) + 1
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.compile
+def test_a_compiled_graph_holds_the_custom_op(skinny, kernel_device):
+    """Traced, the product is the opaque op (not the Triton launch, which eager calls directly)."""
+    x, w = draw(2, 64, 32, seed=6, dtype=torch.float32)
+    targets = []
+
+    def record(gm, inputs):
+        targets.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    torch.compile(lambda x, w: skinny.skinny_matmul(x, w) + 1, backend=record)(x.to(kernel_device), w.to(kernel_device))
+    op = torch.ops.archlab.skinny_matmul
+    assert op in targets or op.default in targets
+
+
+def test_an_eager_call_does_not_import_dynamo(tmp_path):
+    """The first call of a ``torch.library.custom_op`` imports ``torch._dynamo`` (seconds at
+    start-up); the eager product launches the kernel itself."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\n"
+             "from archlab.kernels.skinny_matmul import skinny_matmul, skinny_matmul_reference\n"
+             "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+             "x, w = torch.randn(1, 64, device=dev), torch.randn(32, 64, device=dev)\n"
+             "torch.testing.assert_close(skinny_matmul(x, w), skinny_matmul_reference(x, w), rtol=0, atol=1e-4)\n"
+             "print('torch._dynamo' in sys.modules)\n")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == ["False"]

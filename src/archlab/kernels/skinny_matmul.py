@@ -126,18 +126,23 @@ def skinny_matmul(x: Tensor, w: Tensor) -> Tensor:
     ``MAX_ROWS`` rows in ``x``; returns ``[..., N]`` in ``x``'s dtype (fp32 accumulation).
 
     A custom op, so ``torch.compile`` keeps it as one opaque call (autotuning happens at its
-    first eager run, before a CUDA graph captures it) instead of tracing the Triton launch."""
+    first eager run, before a CUDA graph captures it) instead of tracing the Triton launch.
+    Outside a compiled graph the launch is called directly: the first call of any
+    ``torch.library.custom_op`` imports ``torch._dynamo``, which an eager ``archlab generate``
+    otherwise never needs (4.2 s of a warm 12 s run on the H200 machine's image, with its
+    compilation: docs/benchmarks.md, seventeenth session)."""
     *lead, k = x.shape
     if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
         raise ValueError(f"skinny_matmul: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w is strided)")
     rows = x.numel() // k if k else 0
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: {rows} rows; 1 to {MAX_ROWS}")
-    return torch.ops.archlab.skinny_matmul(x.reshape(rows, k), w).view(*lead, w.shape[0])
+    launch = torch.ops.archlab.skinny_matmul if torch.compiler.is_compiling() else _skinny_matmul_launch
+    return launch(x.reshape(rows, k), w).view(*lead, w.shape[0])
 
 
-@torch.library.custom_op("archlab::skinny_matmul", mutates_args=())
-def _skinny_matmul_op(x: Tensor, w: Tensor) -> Tensor:
+def _skinny_matmul_launch(x: Tensor, w: Tensor) -> Tensor:
+    """The kernel's launch on ``x`` [M, K] and ``w`` [N, K]: the custom op's body."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
@@ -158,6 +163,11 @@ def _skinny_matmul_op(x: Tensor, w: Tensor) -> Tensor:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, M=m, BLOCK_M=block_m, USE_DOT=use_dot,
                                                                         FP32_DOT=fp32_dot)
     return out
+
+
+@torch.library.custom_op("archlab::skinny_matmul", mutates_args=())
+def _skinny_matmul_op(x: Tensor, w: Tensor) -> Tensor:
+    return _skinny_matmul_launch(x, w)
 
 
 @_skinny_matmul_op.register_fake
