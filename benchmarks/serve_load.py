@@ -10,7 +10,8 @@ clients. Reports completed streams (none may be lost), tokens received, aggregat
 per-stream time to first token, and how the engine batched them: decode steps, the mean and the
 most active slots per step (1 means the streams ran one after another), prefill calls and the
 requests they admitted. ``--step-delay`` adds seconds to every decode step (a GIL-free sleep,
-like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time):
+like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time, one that is text on its
+own):
 what is left is the host path's own rate (scheduling, detokenising, server-sent events, the event
 loop), the ceiling the server can reach on any model. Prints one JSON object per load level.
 """
@@ -57,6 +58,15 @@ async def one_stream(client, url: str, prompt: str, max_tokens: int, seed: int) 
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return {"ttft_s": first, "tokens": tokens, "finish": finish, "wall_s": time.perf_counter() - t0}
+
+
+def clean_token(tok) -> int:
+    """The id of a token that decodes to plain text by itself and repeated (``" a"`` or ``"a"``)."""
+    for text in (" a", "a", " the", "e"):
+        ids = tok.encode(text).ids
+        if len(ids) == 1 and tok.decode(ids * 3) == text * 3:
+            return ids[0]
+    raise SystemExit("--null-model: no token in this vocabulary decodes to plain text alone")
 
 
 class ByteTokenizer:
@@ -152,7 +162,10 @@ def main() -> None:
     if args.null_model:
         # The host path alone: every decode step returns the same token at no model cost, so the
         # rate is what scheduling, detokenising and the server-sent events allow.
-        fixed = torch.full((engine.slots,), ord("a"), dtype=torch.long, device=engine.device)
+        # A token that is text on its own: id 97 is "a" only for the byte tokenizer; in a BPE
+        # vocabulary it may be a lone byte that decodes to U+FFFD, which streams quite differently.
+        token = clean_token(tok)
+        fixed = torch.full((engine.slots,), token, dtype=torch.long, device=engine.device)
 
         def null_step(*args_, **kwargs):
             engine.positions.add_(1).clamp_(max=engine.max_len - 1)

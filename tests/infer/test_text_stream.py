@@ -74,6 +74,10 @@ def test_streamed_text_equals_decoding_the_whole_sequence(make, stops):
     texts = [tok.encode(t).ids for t in CORPUS[:3]]
     # real texts, and random ids (multi-byte characters cut at any token, stray bytes)
     cases = texts + [[rng.randrange(tok.get_vocab_size()) for _ in range(rng.randrange(1, 40))] for _ in range(60)]
+    # bytes alone: runs of lone continuation and lead bytes, and characters cut between tokens
+    singles = [i for i in range(tok.get_vocab_size()) if len(tok.decode([i]).encode()) <= 3
+               and "\ufffd" in tok.decode([i])]
+    cases += [[rng.choice(singles + texts[0][:8]) for _ in range(rng.randrange(1, 60))] for _ in range(60)]
     for ids in cases:
         got, stopped = stream(TextStream, tok, ids, stops)
         want, want_stopped = stream(WholeText, tok, ids, stops)
@@ -83,7 +87,8 @@ def test_streamed_text_equals_decoding_the_whole_sequence(make, stops):
 
 
 def test_the_window_stays_short():
-    """Decoding cost per token does not grow with the stream: each call decodes a few tokens."""
+    """Decoding cost per token does not grow with the stream: each call decodes a few tokens,
+    about once per token."""
     tok = byte_level()
     lengths = []
 
@@ -95,3 +100,26 @@ def test_the_window_stays_short():
     ids = tok.encode(" ".join(CORPUS[:6])).ids
     stream(TextStream, Counting(), ids, ())
     assert len(ids) > 60 and max(lengths) <= 16
+    # about one decode per token: the window's start moves every few tokens, and the decode of
+    # its first part is the previous token's window
+    assert len(lengths) <= 1.3 * len(ids), (len(lengths), len(ids))
+
+
+def test_invalid_bytes_stream_as_they_come():
+    """A run of tokens that decode to U+FFFD (a lone continuation byte repeated: what an untrained
+    model or a stuck one emits) is streamed a few tokens behind, not held back to the end, and
+    the window stays short."""
+    tok = byte_level()
+    bad = next(i for i in range(tok.get_vocab_size()) if tok.decode([i]) == "\ufffd")  # e.g. byte 0xA3
+    lengths = []
+
+    class Counting:
+        def decode(self, ids):
+            lengths.append(len(ids))
+            return tok.decode(ids)
+
+    out, _ = stream(TextStream, Counting(), [bad] * 200, ())
+    assert "".join(out) == tok.decode([bad] * 200)
+    assert all(out[i] for i in range(10, 199)), out[:20]  # every token past the first few sends text
+    assert max(lengths) <= 16
+
