@@ -35,7 +35,7 @@ class TextStream:
     detokenisers do), and the whole text is decoded once where that does not hold. The window's
     start stays put while it grows from ``_WINDOW`` to ``2 * _WINDOW`` decoded tokens, so the
     decode of its first part is the previous token's window, kept: one decode per token, not two
-    (detokenising was 72% of the event loop's time serving 64 streams, py-spy on the CPU VM)."""
+    (detokenising was 40% of the event loop's time serving 64 streams, py-spy on the CPU VM)."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...], hidden: int | tuple[int, ...] | None):
         self.tokenizer, self.stops = tokenizer, stops
