@@ -85,7 +85,7 @@ def main() -> None:
         for choice in args.compile.split(","):
             with tempfile.TemporaryDirectory() as cache:
                 run_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
-                           "ARCHLAB_CACHE_DIR": os.path.join(cache, "archlab")}  # its bytecode cache too
+                           "ARCHLAB_PYCACHE": os.path.join(cache, "pycache")}  # its bytecode cache too
                 for i in range(1 + args.repeats):
                     wall, done = archlab("generate", "--ckpt", args.ckpt, "--prompt", args.prompt, "--temperature",
                                          "0", "--max-new-tokens", str(n), "--compile", choice, "--device",

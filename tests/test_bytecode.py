@@ -32,9 +32,9 @@ def package(root: Path, compiled: bool = False) -> Path:
 
 
 def probe(root: Path, **env: str) -> list[str]:
-    run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "ARCHLAB_BYTECODE_CACHE")}
+    run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "ARCHLAB_PYCACHE")}
     run_env.update({"PYTHONPATH": os.pathsep.join([SRC, str(root / "site")]), "PYTHONDONTWRITEBYTECODE": "1",
-                    "ARCHLAB_CACHE_DIR": str(root / "cache"), **env})
+                    "XDG_CACHE_HOME": str(root / "xdg"), **env})
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=run_env, check=True)
     return done.stdout.split()
 
@@ -42,7 +42,7 @@ def probe(root: Path, **env: str) -> list[str]:
 def test_a_package_without_bytecode_is_compiled_once_into_archlabs_cache(tmp_path):
     pkg = package(tmp_path)
     folder, cached = probe(tmp_path)
-    assert folder == str(tmp_path / "cache" / "pycache")
+    assert folder == str(tmp_path / "xdg" / "archlab" / "pycache")
     assert Path(cached).is_relative_to(folder) and Path(cached).is_file()
     assert not (pkg / "__pycache__").exists()  # nothing written among the installed packages
     written = Path(cached).stat().st_mtime_ns
@@ -53,14 +53,20 @@ def test_a_package_without_bytecode_is_compiled_once_into_archlabs_cache(tmp_pat
 def test_a_package_with_its_own_bytecode_is_left_alone(tmp_path):
     package(tmp_path, compiled=True)
     folder, cached = probe(tmp_path)
-    assert folder == "None" and "__pycache__" in cached and not (tmp_path / "cache").exists()
+    assert folder == "None" and "__pycache__" in cached and not (tmp_path / "xdg").exists()
 
 
-@pytest.mark.parametrize("env", [{"ARCHLAB_BYTECODE_CACHE": "0"}, {"PYTHONPYCACHEPREFIX": "USER"}])
+def test_archlab_pycache_names_the_folder(tmp_path):
+    package(tmp_path)
+    folder, cached = probe(tmp_path, ARCHLAB_PYCACHE=str(tmp_path / "here"))
+    assert folder == str(tmp_path / "here") and Path(cached).is_relative_to(folder)
+
+
+@pytest.mark.parametrize("env", [{"ARCHLAB_PYCACHE": "off"}, {"PYTHONPYCACHEPREFIX": "USER"}])
 def test_it_is_off_by_switch_or_under_the_users_own_prefix(tmp_path, env):
     package(tmp_path)
     env = {k: str(tmp_path / "mine") if v == "USER" else v for k, v in env.items()}
     folder, cached = probe(tmp_path, **env)
-    assert folder == "None" and not (tmp_path / "cache").exists()
+    assert folder == "None" and not (tmp_path / "xdg").exists()
     if "PYTHONPYCACHEPREFIX" in env:
         assert cached.startswith(str(tmp_path / "mine"))

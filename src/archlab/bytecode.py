@@ -9,8 +9,8 @@ bytecode is missing, the command line points Python at a cache of its own
 (``sys.pycache_prefix``) before it imports torch, so the second process reads what the first
 compiled. Nothing changes where torch's bytecode exists (a normal ``pip install`` writes it).
 
-``ARCHLAB_CACHE_DIR`` moves the cache (default ``$XDG_CACHE_HOME/archlab``, else
-``~/.cache/archlab``); ``ARCHLAB_BYTECODE_CACHE=0`` turns this off.
+``ARCHLAB_PYCACHE`` names the folder (default ``pycache`` in ``archlab.io.files.cache_home()``,
+``~/.cache/archlab``), or is ``off``.
 """
 
 from __future__ import annotations
@@ -20,38 +20,23 @@ import os
 import sys
 from pathlib import Path
 
+from archlab.io.files import cache_home
 
-def cache_dir() -> Path:
-    """archlab's cache folder (``ARCHLAB_CACHE_DIR``, else the XDG cache home's ``archlab``)."""
-    if os.environ.get("ARCHLAB_CACHE_DIR"):
-        return Path(os.environ["ARCHLAB_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "archlab"
-
-
-def has_own_bytecode(module: str = "torch") -> bool:
-    """Whether ``module``'s ``__init__`` has bytecode where Python looks without a prefix (or the
-    module is not installed, or has no source: nothing to compile)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return True
-    prefix = sys.pycache_prefix
-    try:
-        sys.pycache_prefix = None  # where the package's own __pycache__ would hold it
-        pyc = importlib.util.cache_from_source(spec.origin)
-    finally:
-        sys.pycache_prefix = prefix
-    return os.path.exists(pyc)
+PYCACHE_ENV = "ARCHLAB_PYCACHE"
 
 
 def enable_bytecode_cache(module: str = "torch") -> Path | None:
-    """Cache bytecode under ``cache_dir()/pycache`` when ``module`` (imported next, and heavy) has
-    none of its own; the folder used, or None when nothing was changed. Call before importing it."""
-    if os.environ.get("ARCHLAB_BYTECODE_CACHE", "1") == "0" or sys.pycache_prefix is not None:
-        return None  # turned off, or the user chose a prefix (PYTHONPYCACHEPREFIX) already
-    if module in sys.modules or has_own_bytecode(module):
+    """Cache bytecode in archlab's folder when ``module`` (imported next, and heavy) has none of
+    its own; the folder used, or None when nothing was changed. Call before importing it."""
+    choice = os.environ.get(PYCACHE_ENV, "")
+    if choice == "off" or sys.pycache_prefix is not None or module in sys.modules:
+        return None  # turned off, the user's own prefix (PYTHONPYCACHEPREFIX), or too late
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        return None  # not installed, or no source to compile
+    if os.path.exists(importlib.util.cache_from_source(spec.origin)):  # no prefix: its own __pycache__
         return None
-    folder = cache_dir() / "pycache"
+    folder = Path(choice).expanduser() if choice else cache_home() / "pycache"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:

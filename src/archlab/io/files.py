@@ -46,3 +46,9 @@ def naming(path: str | Path) -> Iterator[None]:
 
 
 __all__ = ["file_sha256", "naming"]
+
+
+def cache_home() -> Path:
+    """archlab's folder of caches: ``$XDG_CACHE_HOME/archlab``, else ``~/.cache/archlab`` (the
+    recipes' downloads and the command line's bytecode live in folders under it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "archlab"

@@ -285,6 +285,8 @@ EXIT_BAD = {
     "last": (["model.layer_dropout.exit_loss=1", "model.layer_dropout.exits=[4]"],
              "model.layer_dropout.exits: an early-exit loss may follow visits [1, 2, 3]"),
     "zero": (["model.layer_dropout.exits=[0]"], "model.layer_dropout.exits: an early-exit loss may follow"),
+    "twice": (["model.layer_dropout.exit_loss=1", "model.layer_dropout.exits=[2,2]"],
+              "model.layer_dropout.exits: names an exit twice"),
     "diffusion": (["model.layer_dropout.exit_loss=1", "model.objective=uniform-diffusion"],
                   "model.layer_dropout.exit_loss: the early-exit loss reads"),
 }

@@ -13,6 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
+from archlab.io.files import cache_home
+
 CACHE_ENV = "ARCHLAB_CACHE"
 # Temporaries older than this are taken for leftovers of a killed run and removed.
 STALE_TMP_S = 6 * 3600
@@ -22,8 +24,7 @@ def default_cache_dir() -> Path:
     """``$ARCHLAB_CACHE`` if set, else ``$XDG_CACHE_HOME/archlab/recipes`` (``~/.cache/...``)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "archlab" / "recipes"
+    return cache_home() / "recipes"
 
 
 def remove_stale(folder: Path) -> None:

@@ -60,6 +60,8 @@ class LayerDropoutConfig:
             check(all(isinstance(e, int) and not isinstance(e, bool) and e in points for e in self.exits),
                   "model.layer_dropout.exits", f"an early-exit loss may follow visits {points} (not the last, "
                   f"whose loss is the model's own), got {self.exits}")
+            check(len(set(self.exits)) == len(self.exits), "model.layer_dropout.exits",
+                  f"names an exit twice: {self.exits}")
             check(bool(points), "model.layer_dropout.exit_loss", "the model has no exit before its last visit")
             check(model.objective == "autoregressive" and registry.kind_of(model, "rows") == "primary",
                   "model.layer_dropout.exit_loss", f"the early-exit loss reads next-token predictions of the "
@@ -73,12 +75,15 @@ class LayerDropoutConfig:
 def training_exit_points(model) -> list[int]:
     """The exits an early-exit loss may train: numbers of visits after which the state has the
     final norm's width (``Transformer.exit_points``), the last visit excluded."""
-    from archlab.model.core.spec import layer_specs
+    from archlab.model.core.spec import layer_specs, layer_visits
 
-    specs = layer_specs(model)
-    visits = registry.variants("schedule")["layer_dropout"].load()(model).visits()
-    final = specs[visits[-1]].d
-    return [n for n in range(1, len(visits)) if specs[visits[n - 1]].d == final]
+    specs, visits = layer_specs(model), layer_visits(model)
+    return [n for n in range(1, len(visits)) if specs[visits[n - 1]].d == specs[visits[-1]].d]
+
+
+def trained_exits(model) -> list[int]:
+    """The exits the early-exit loss trains: ``exits``, or every one before the last."""
+    return list(model.layer_dropout.exits) or training_exit_points(model)
 
 
 register(Variant("schedule", "layer_dropout", "archlab.model.variants.layer_dropout.schedule:LayerDropout",

@@ -56,6 +56,8 @@ class LayerDropout:
         self.forced: dict[int, list[int]] | None = None
         #: visit -> the fraction of rows the last training forward ran it on (the realised keep)
         self.kept_fraction: dict[int, float] = {}
+        #: the visits (0-based) after which the early-exit loss reads out; set on first use
+        self.exit_visits: list[int] | None = None
 
     def visits(self) -> list[int]:
         return self.base.visits()
@@ -112,8 +114,11 @@ class LayerDropout:
         o = self.options
         if o.exit_loss <= 0:
             return None
-        exits = o.exits or [n for n in model.exit_points if n < self.n_visits]
-        return ExitLoss(model, targets, aux, [n - 1 for n in exits], o.exit_loss / len(exits))
+        if self.exit_visits is None:  # once: the config's exits do not change
+            from archlab.model.variants.layer_dropout import trained_exits
+
+            self.exit_visits = [n - 1 for n in trained_exits(self.cfg)]
+        return ExitLoss(model, targets, aux, self.exit_visits, o.exit_loss / len(self.exit_visits))
 
     # ---- costs ------------------------------------------------------------------------------------
     @classmethod
@@ -126,14 +131,13 @@ class LayerDropout:
     def training_cost(cls, cfg: "ModelConfig", specs: "list[LayerSpec]") -> Cost:
         """What only training runs: the early-exit loss's readouts, one head matmul per exit
         (the final norm is not counted, by the accounting's convention)."""
-        o = cfg.layer_dropout
-        if o.exit_loss <= 0:
+        if cfg.layer_dropout.exit_loss <= 0:
             return Cost()
-        from archlab.model.variants.layer_dropout import training_exit_points
+        from archlab.model.core.spec import layer_visits
+        from archlab.model.variants.layer_dropout import trained_exits
 
-        final = specs[_base(cfg)(cfg).visits()[-1]].d
-        exits = len(o.exits or training_exit_points(cfg))
-        return Cost(flops=exits * 2 * final * cfg.vocab_size)
+        final = specs[layer_visits(cfg)[-1]].d
+        return Cost(flops=len(trained_exits(cfg)) * 2 * final * cfg.vocab_size)
 
 
 class ExitLoss:
