@@ -199,7 +199,7 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     from rich.console import Console
 
     from archlab.lab.fmt import plural
-    from archlab.lab.plan import build_plan, parse_shard, select, shard_ids
+    from archlab.lab.plan import adopt_recorded_ids, build_plan, parse_shard, select, shard_ids
     from archlab.lab.display import plan_table
     from archlab.lab.store import DB_NAME, ResultStore
     from archlab.lab.session import Session
@@ -216,6 +216,10 @@ def run_compare(args: argparse.Namespace, *, train_fn: TrainFn | None = None,
     suite = load_suite(args.suite)
     out = Path(args.out) if args.out else Path("runs") / suite.name
     plan = build_plan(suite, out, args.overrides, costs_fn=costs_fn)
+    if (plan.out_dir / DB_NAME).is_file() and not args.no_resume:
+        # finished runs recorded by an older archlab are found again under their ids
+        with ResultStore(plan.out_dir / DB_NAME, create=False) as store:
+            plan = adopt_recorded_ids(plan, store.runs())
     chosen = None if not args.variants else [v.strip() for v in args.variants.split(",") if v.strip()]
     runs = select(plan, chosen)
     others = 0  # runs of the selection that belong to other shards: pending here, not errors

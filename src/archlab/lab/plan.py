@@ -16,11 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
-from archlab.config import ModelConfig, RunConfig, make_config, parse_override
+from archlab.config import ModelConfig, RunConfig, config_from_dict, make_config, parse_override
 from archlab.errors import ConfigError
 from archlab.lab.store import COST_KEYS
 from archlab.lab.suite import Suite
@@ -119,6 +119,54 @@ def _portable_hash(cfg: RunConfig, out_dir: Path) -> str:
         tree["data"]["path"] = str(path.relative_to(out_dir))
     blob = json.dumps(tree, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def adopt_recorded_ids(plan: Plan, recorded: Iterable[Any]) -> Plan:
+    """``plan`` with each run that ``recorded`` (the suite's store rows) holds under another id
+    renamed to that id, when the recorded config, read by this archlab, is the planned one.
+
+    A run id hashes the config's text, and an archlab that gained an option writes one more key
+    (or, with ``LATER_FIELDS``, one fewer) for the same experiment: without this, a suite resumed
+    after an upgrade would not find its finished runs and would train them all again. Only rows of
+    the same suite, label and seeds whose config parses and hashes like the planned run's count; a
+    planned run whose own id is recorded keeps it."""
+    rows = [r for r in recorded if r.suite == plan.suite.name]
+    have = {r.run_id for r in rows}
+    taken = {r.run_id for r in plan.runs}
+    candidates: dict[tuple[str, int, int], list[Any]] = {}
+    for row in rows:
+        if row.run_id not in taken:
+            candidates.setdefault((row.label, row.init_seed, row.data_seed), []).append(row)
+    if not candidates:
+        return plan
+    runs = []
+    for run in plan.runs:
+        if run.run_id not in have:
+            for row in candidates.get((run.label, run.init_seed, run.data_seed), []):
+                if row.run_id not in taken and _recorded_hash(row.config, run, plan.out_dir) == run.config_hash:
+                    taken.add(row.run_id)
+                    run = replace(run, run_id=row.run_id)
+                    break
+        runs.append(run)
+    return replace(plan, runs=tuple(runs))
+
+
+def _recorded_hash(tree: dict[str, Any], run: PlannedRun, out_dir: Path) -> str | None:
+    """The portable hash of a recorded config as this archlab reads it (None when it no longer
+    parses). A suite-managed data path recorded under another suite directory (the same suite
+    copied or moved, e.g. to a GPU machine and back) counts as the planned one."""
+    tree = json.loads(json.dumps(tree))
+    planned = Path(run.config.data.path)
+    recorded = Path(str(tree.get("data", {}).get("path", "")))
+    if planned.is_relative_to(out_dir):
+        inside = planned.relative_to(out_dir)
+        if recorded.parts[-len(inside.parts):] == inside.parts:
+            tree["data"]["path"] = str(planned)
+    try:
+        cfg = config_from_dict(tree)
+    except ConfigError:
+        return None
+    return _portable_hash(cfg, out_dir)
 
 
 def data_dir_name(suite: Suite, vocab_size: int) -> str:

@@ -52,6 +52,9 @@ class ModelConfig:
     #: that is an objective of its own (its options' ``OBJECTIVE``: ``uniform-diffusion``)
     objective: str = "autoregressive"
 
+    #: core fields added after runs were recorded, left out at their defaults (``_without_later``)
+    LATER_FIELDS = ("objective",)
+
     def __init__(self, **values: Any) -> None:
         """Core fields by name; variant sections by their section name (``moe=MoEConfig(...)``)."""
         for f in dataclasses.fields(self):
@@ -109,13 +112,11 @@ class ModelConfig:
         used = {v.section_name for v in registry.chosen(self).values()} if not full else set()
         for name, value in self._sections.items():
             d = dataclasses.asdict(value)
-            if full or name in used or d != dataclasses.asdict(type(value)()):
-                out[name] = d
-        if not full and self.objective == "autoregressive":
-            # the default objective is left out, so that every config hashes as it did before
-            # the key existed
-            del out["objective"]
-        return out
+            default = dataclasses.asdict(type(value)())
+            if full or name in used or d != default:
+                out[name] = d if full else _without_later(d, default, type(value))
+        core_defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return out if full else _without_later(out, core_defaults, ModelConfig)
 
     # ---- derived sizes (the baseline's; per-layer sizes come from model.core.spec) -----------------
     @property
@@ -191,3 +192,11 @@ class ModelConfig:
                   f"{self.schedule!r} runs a layer more than once, which cannot be combined with model.width "
                   f"{self.width!r} (its widths {sorted(widths)} vary across the layers a loop would repeat)")
         return self
+
+
+def _without_later(tree: dict[str, Any], default: dict[str, Any], cls: type) -> dict[str, Any]:
+    """``tree`` without the fields of ``cls.LATER_FIELDS`` that hold their defaults: fields added
+    after runs were recorded, whose defaults compute what those runs computed. A run's id is a hash
+    of its config, so without this every new option would give every finished run a new id, and
+    a suite resumed after an upgrade would train all its runs again."""
+    return {k: v for k, v in tree.items() if k not in getattr(cls, "LATER_FIELDS", ()) or v != default[k]}

@@ -39,6 +39,10 @@ class LayerDropoutConfig:
     #: empty: every exit before the last
     exits: list[int] = field(default_factory=list)
 
+    #: added after layer-dropout runs were recorded; at their defaults (no exit loss) they are left
+    #: out of the config, so those runs keep their ids (``ModelConfig.to_dict``)
+    LATER_FIELDS = ("exit_loss", "exits")
+
     def validate(self, model) -> None:
         check(math.isfinite(self.p_max) and 0 <= self.p_max < 1, "model.layer_dropout.p_max",
               f"must be a probability in [0, 1), got {self.p_max}")
