@@ -123,3 +123,34 @@ def test_invalid_bytes_stream_as_they_come():
     assert all(out[i] for i in range(10, 199)), out[:20]  # every token past the first few sends text
     assert max(lengths) <= 16
 
+
+
+def test_the_engine_thread_gets_the_interpreter_back_soon(monkeypatch):
+    """The server's process shortens the GIL's switch interval (a decode step is shorter than
+    CPython's 5 ms default), and never lengthens one already shorter."""
+    import sys
+
+    from archlab.infer.engine_loop import ENGINE_SWITCH_INTERVAL_S, favour_the_engine_thread
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        favour_the_engine_thread()
+        assert sys.getswitchinterval() == pytest.approx(ENGINE_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(0.0001)
+        favour_the_engine_thread()
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_a_long_stream_keeps_no_growing_text():
+    """What a stream keeps between tokens is bounded (the held tail, the window), not the whole
+    text so far: a token late in a long stream costs what an early one did."""
+    tok = byte_level()
+    ids = tok.encode(" ".join(CORPUS)).ids
+    s = TextStream(tok, ("THE ENDX",), None)
+    for t in ids:
+        s.add(t)
+    assert len(s.held) < len("THE ENDX") and len(s.before) < 200
+    assert not hasattr(s, "decoded") and s.decoded_chars == len(tok.decode(ids[:s.read]))

@@ -4,11 +4,26 @@ model (scoring a prompt for ``echo``) runs there too, between two steps."""
 
 import concurrent.futures
 import queue
+import sys
 import threading
 from collections import deque
 from typing import Any, Callable
 
 from archlab.infer.engine import Engine, Request, Scheduler
+
+
+#: How long a thread may hold the GIL while another waits for it. CPython's default, 5 ms, is
+#: longer than a decode step: the engine thread, back from the GPU with the step's tokens, can
+#: wait for the event loop to reach the end of its interval before it hands them out and starts
+#: the next step (docs/benchmarks.md, "The server's host path on the CPU VM").
+ENGINE_SWITCH_INTERVAL_S = 0.0002
+
+
+def favour_the_engine_thread() -> None:
+    """Shorten the interpreter's switch interval to ``ENGINE_SWITCH_INTERVAL_S`` (never lengthen
+    it): process-wide, as the GIL is; the server's process runs the engine and its HTTP loop."""
+    if sys.getswitchinterval() > ENGINE_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
 
 
 class QueueFull(Exception):
@@ -40,6 +55,7 @@ class EngineLoop:
         self.jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
 
     def start(self) -> "EngineLoop":
+        favour_the_engine_thread()
         self.thread.start()
         return self
 

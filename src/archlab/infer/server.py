@@ -165,15 +165,24 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
         if gen.stream:
             frame["object"] += ".chunk" if kind == "chatcmpl" else ""
 
+            # Every event is this frame with one choice: its JSON text is made once, and each
+            # event adds only its choice's (one json.dumps of a small dict per token and stream).
+            head = "data: " + json.dumps({**frame, "choices": []})[:-2]  # ends with '"choices": ['
+
+            def event(choice: dict) -> str:
+                return f"{head}{json.dumps(choice)}]}}\n\n"
+
             async def events():
                 for i in range(len(choices)):  # each choice's opening chunk (chat: its role)
                     first = chunk(i, "", None, [], True)
                     if first:
-                        yield f"data: {json.dumps({**frame, 'choices': [first]})}\n\n"
+                        yield event(first)
+                # one choice (the usual request) is read directly; several are interleaved
+                source = (((0, piece) async for piece in choices[0].pieces()) if len(choices) == 1
+                          else merged([c.pieces() for c in choices]))
                 try:
-                    async for i, (delta, finish, entries) in merged([c.pieces() for c in choices]):
-                        body = {**frame, "choices": [chunk(i, delta, finish, entries, False)]}
-                        yield f"data: {json.dumps(body)}\n\n"
+                    async for i, (delta, finish, entries) in source:
+                        yield event(chunk(i, delta, finish, entries, False))
                 except EngineFailed as e:  # the status is sent already: the error is the last event
                     yield f"data: {json.dumps(error_body(str(e), code='engine_failed', kind='server_error'))}\n\n"
                     return

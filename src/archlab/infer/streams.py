@@ -41,11 +41,12 @@ class TextStream:
         self.tokenizer, self.stops = tokenizer, stops
         self.hidden = (hidden,) if isinstance(hidden, int) else tuple(hidden or ())
         self.ids: list[int] = []
-        self.read = 0  # ids[:read] are in ``decoded``; ids[read:] not yet
-        self.decoded = ""  # the text of ids[:read]
+        self.read = 0  # ids[:read] are decoded; ids[read:] not yet
+        self.decoded_chars = 0  # the length of the text of ids[:read]
         self.start = 0  # the window's first token
         self.before = ""  # the decode of ids[start:read]
-        self.sent = ""
+        self.held = ""  # decoded text not sent yet: a tail that may grow into a stop string
+        self.longest_stop = max((len(s) for s in stops), default=0)
         self.stopped = False
 
     def _anchor(self) -> None:
@@ -92,7 +93,7 @@ class TextStream:
             return window[len(before):]
         # A decoder whose text for the window's first tokens changed with what followed: the
         # whole text up to ``read`` once, which is always right.
-        return self.tokenizer.decode(self.ids[:self.read])[len(self.decoded):]
+        return self.tokenizer.decode(self.ids[:self.read])[self.decoded_chars:]
 
     def add(self, token: int, final: bool = False) -> str:
         if token not in self.hidden:
@@ -105,18 +106,24 @@ class TextStream:
         return "" if self.stopped else self._new_text(final=True)
 
     def _new_text(self, final: bool) -> str:
-        self.decoded += self._advance(final)
-        text = self.decoded
-        # A stop string starting before ``lo`` would have ended inside the text already sent.
-        lo = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
-        cuts = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+        """The text to send now. Only the unsent tail is searched for stop strings: a stop string
+        cannot begin in text already sent, since any tail that could begin one is held back. The
+        whole text is never rebuilt, so a token costs the same at the end of a long stream as at
+        its start."""
+        new = self._advance(final)
+        self.decoded_chars += len(new)
+        if not self.stops:
+            return new
+        text = self.held + new
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if cuts:
-            text, self.stopped = text[: min(cuts)], True
-        elif not final:
-            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold]
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+            self.stopped, self.held = True, ""
+            return text[: min(cuts)]
+        hold = 0 if final else max(
+            (k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+            default=0)
+        self.held = text[len(text) - hold:] if hold else ""
+        return text[: len(text) - hold]
 
 
 class Mailbox:
