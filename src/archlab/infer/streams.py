@@ -46,7 +46,6 @@ class TextStream:
         self.start = 0  # the window's first token
         self.before = ""  # the decode of ids[start:read]
         self.held = ""  # decoded text not sent yet: a tail that may grow into a stop string
-        self.longest_stop = max((len(s) for s in stops), default=0)
         self.stopped = False
 
     def _anchor(self) -> None:
