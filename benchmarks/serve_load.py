@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--clients-in-process", action="store_true",
                     help="run the HTTP clients in the server's process (sharing its GIL, as before the seventh "
                          "session) instead of in a process of their own")
+    ap.add_argument("--no-pipeline", action="store_true",
+                    help="hand out each step's tokens before launching the next (the engine loop's overlap off)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import uvicorn
@@ -181,7 +183,7 @@ def main() -> None:
             return step(*args_, **kwargs)
 
         engine.step = slow_step  # type: ignore[method-assign]
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine, pipelined=not args.no_pipeline).start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -114,6 +114,11 @@ class Engine:
         self._one = torch.ones(slots, 1, device=dev)
         self.logprobs = torch.zeros(slots, self.vocab, device=dev)  # the last step's predictions
         self.token_keys = token_keys(self.vocab, dev)  # the sampler's per-token hash keys
+        # ``step_async``'s two host buffers (pinned: the copy runs beside the next step) and their
+        # events: a step's tokens land in one while the host still reads the other's.
+        self._host_tokens = [torch.zeros(slots, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]
+        self._flip = 0
         self._graphs: dict[tuple[bool, bool], Callable[[], None]] = {}  # by (greedy, penalised)
         self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._pool = None  # the CUDA graphs' shared memory pool
@@ -235,6 +240,20 @@ class Engine:
         graph()
         return self.tokens
 
+    def step_async(self, greedy: bool = False, penalised: bool = False) -> "StepTokens":
+        """``step``, with its tokens on their way to the host: ``StepTokens.wait()`` reads them.
+        Launching the next step before that read lets the GPU run it while the host hands out
+        this one's tokens (the server's scheduler does: ``Scheduler.step_once(pipelined=True)``).
+        Two buffers alternate, so a step's tokens stay readable until two more steps have been
+        launched."""
+        tokens = self.step(greedy, penalised)
+        k, self._flip = self._flip, self._flip ^ 1
+        buf, event = self._host_tokens[k], self._copied[k]
+        buf.copy_(tokens, non_blocking=self.cuda)
+        if event is not None:
+            event.record()
+        return StepTokens(buf, event)
+
     def capture_step(self, body: Callable[[], None], what: str) -> Callable[[], None]:
         """``capture`` for a decode step: its warm-up runs advance the slots' tokens and positions,
         which are put back afterwards (their cache writes land at positions that prefill or
@@ -307,6 +326,19 @@ class Engine:
         return requests
 
 
+@dataclass
+class StepTokens:
+    """A launched decode step's sampled tokens, copied to a host buffer behind ``event``."""
+
+    host: Tensor
+    event: "torch.cuda.Event | None"
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 def _group_sizes(n: int) -> list[int]:
     """``n`` as a sum of powers of eight, largest first: 13 -> [8, 1, 1, 1, 1, 1], 64 -> [64]."""
     sizes, size = [], 1
@@ -374,6 +406,9 @@ class Scheduler:
         self.engine = engine
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        #: a step launched by ``step_once(pipelined=True)`` whose tokens are not handed out yet,
+        #: with the requests it ran for
+        self.pending: tuple[StepTokens, dict[int, Request]] | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -433,6 +468,11 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    @property
+    def busy(self) -> bool:
+        """A request still decodes, or a launched step's tokens wait to be handed out."""
+        return self.pending is not None or any(not r.done for r in self.running.values())
 
     def _emit(self, r: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         if r.first_token_at is None:
@@ -508,10 +548,32 @@ class Scheduler:
             else:
                 self._run_unsynced(active)
 
-    def step_once(self) -> None:
+    def step_once(self, pipelined: bool = False) -> None:
         """One decode step for every slot; each running request gets its token (a speculative
-        step: its accepted draft tokens and one more)."""
+        step: its accepted draft tokens and one more).
+
+        ``pipelined`` (the server): launch this step, then hand out the previous step's tokens
+        while the GPU runs it, so the host's work per step (callbacks, detokenising, the event
+        loop) overlaps the model's instead of adding to it. A request that the previous step
+        finishes has run one step too many: its token is dropped. Steps that need their rows on
+        the host at once (logprobs) or a variable number of tokens (speculation) run unpipelined,
+        after the pending step's tokens are out."""
         active = {s: r for s, r in self.running.items() if not r.done}
+        if pipelined and self.engine.speculative is None and not any(
+                r.top_logprobs is not None for r in active.values()):
+            launched = None
+            if active:
+                greedy = all(r.params.greedy for r in active.values())
+                penalised = any(r.params.penalised for r in active.values())
+                launched = (self.engine.step_async(greedy, penalised), active)
+            previous, self.pending = self.pending, launched
+            if previous is not None:
+                self._hand_out(*previous)
+            return
+        self.flush()
+        active = {s: r for s, r in self.running.items() if not r.done}
+        if not active:
+            return
         greedy = all(r.params.greedy for r in active.values())
         penalised = any(r.params.penalised for r in active.values())
         self._count_step(len(active))
@@ -532,6 +594,27 @@ class Scheduler:
             for token in produced[slot]:
                 if not r.done:  # a stop token among accepted drafts ends the request there
                     self._emit(r, token, logprobs.get(slot))
+        self.step_s += t1 - t0
+        self.emit_s += time.perf_counter() - t1
+
+    def flush(self) -> None:
+        """Hand out the pending step's tokens, if a pipelined step left some."""
+        if self.pending is not None:
+            previous, self.pending = self.pending, None
+            self._hand_out(*previous)
+
+    def _hand_out(self, step: StepTokens, ran: dict[int, Request]) -> None:
+        """A pipelined step's tokens to the requests it ran for that have not finished since
+        (finished or cancelled ones ran a step too many; a slot freed and refilled meanwhile
+        belongs to its new request, which this step did not run for)."""
+        t0 = time.perf_counter()
+        tokens = step.wait()
+        t1 = time.perf_counter()
+        live = [(slot, r) for slot, r in ran.items() if not r.done]
+        if live:
+            self._count_step(len(live))
+        for slot, r in live:
+            self._emit(r, tokens[slot])
         self.step_s += t1 - t0
         self.emit_s += time.perf_counter() - t1
 

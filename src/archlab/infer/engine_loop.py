@@ -43,8 +43,11 @@ class EngineLoop:
     recounts all three after each admission, under the same lock, so a burst of submissions
     between two steps cannot pass the bound."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, pipelined: bool = True):
         self.engine = engine
+        # ``pipelined``: each step is launched before the previous one's tokens are handed out
+        # (``Scheduler.step_once``); False only to measure what that overlap gains
+        self.pipelined = pipelined
         self.scheduler = Scheduler(engine)
         self.inbox: queue.Queue[Request] = queue.Queue()
         self._stop = threading.Event()
@@ -135,8 +138,8 @@ class EngineLoop:
                 self._drop_cancelled()
                 self.scheduler.admit()
                 self._recount()
-                if any(not r.done for r in self.scheduler.running.values()):
-                    self.scheduler.step_once()
+                if self.scheduler.busy:
+                    self.scheduler.step_once(pipelined=self.pipelined)
         except BaseException as e:  # reported to every request in flight; later ones are refused
             with self._lock:  # no submission after this: each one checks ``error`` under the lock
                 self.error = e
