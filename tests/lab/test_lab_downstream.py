@@ -155,16 +155,47 @@ def test_runs_without_a_checkpoint_are_reported_not_blocking(tmp_path: Path) -> 
     assert f"{plan.runs[1].label} seed {plan.runs[1].init_seed}: no downstream evaluation" in console.export_text()
 
 
-def test_parallel_jobs_evaluate_in_the_parent(tmp_path: Path) -> None:
+def _three_jobs(tmp_path: Path, fake: FakeEval):
+    """The suite with downstream tasks through 3 workers, one label diverging: (the outcome, the
+    finished run ids, the console's text), after checking that every finished run is evaluated."""
     plan = plan_for(tmp_path)
-    fake = FakeEval()
+    console = Console(record=True, width=250, file=open(os.devnull, "w"))
     with ResultStore(plan.out_dir / DB_NAME) as store:
-        out = run_suite(plan, store, list(plan.runs), train_fn=FakeTrainer(diverge=("same",)), console=quiet(),
+        out = run_suite(plan, store, list(plan.runs), train_fn=FakeTrainer(diverge=("same",)), console=console,
                         jobs=3, eval_fn=fake)
-    assert (out.finished, out.diverged) == (5, 2)
     finished = {r.run_id for r in plan.runs if not r.label == "same"}
-    assert {n for n, _ in fake.calls} == finished and len(fake.calls) == 5
     assert set(evaluated(plan.out_dir / DB_NAME)) == finished
+    return out, finished, console.export_text()
+
+
+def test_parallel_jobs_evaluate_in_their_workers(tmp_path: Path) -> None:
+    """Each worker evaluates the run it trained (the fake runs there, a copy of the parent's, so
+    the parent's records no call); the scores reach the database and the run's end line."""
+    fake = FakeEval()
+    out, finished, said = _three_jobs(tmp_path, fake)
+    assert (out.finished, out.diverged) == (5, 2)
+    assert fake.calls == []  # nothing was left to the parent
+    assert said.count("downstream: piqa acc_norm") == 5
+
+
+class FailsInWorkers(FakeEval):
+    """``FakeEval`` that raises in any process but the one that made it (compare's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parent = os.getpid()
+
+    def __call__(self, run_dir, cfg, tasks, *, progress=None):
+        if os.getpid() != self.parent:
+            raise RuntimeError("no GPU memory left for the evaluation")
+        return super().__call__(run_dir, cfg, tasks, progress=progress)
+
+
+def test_a_workers_failed_evaluation_is_left_to_the_parent(tmp_path: Path) -> None:
+    fake = FailsInWorkers()
+    out, finished, said = _three_jobs(tmp_path, fake)
+    assert out.finished == 5 and {n for n, _ in fake.calls} == finished and len(fake.calls) == 5
+    assert said.count("downstream evaluation is left to compare (no GPU memory left") == 5
 
 
 def test_parallel_evaluation_error_lets_running_runs_finish(tmp_path: Path) -> None:

@@ -28,6 +28,9 @@ _STOP_WAIT_S = 10.0  # how long a worker sent SIGTERM may take to end before it 
 class PoolLauncher:
     """``--jobs N``: a pool of N spawned worker processes, reused from run to run."""
 
+    #: a worker evaluates the run it trained on the suite's downstream tasks (runner._evaluate_in_worker)
+    evaluates_in_worker = True
+
     def __init__(self, jobs: int, db_path: Path, train_fn: Any, worker: Callable[..., Any]) -> None:
         self.jobs, self.db_path, self.train_fn, self.worker = jobs, db_path, train_fn, worker
         self.running = 0
@@ -80,6 +83,10 @@ class GpuLauncher:
     ends. A process per run, not a pool: CUDA reads that variable once, when it starts in a
     process, so a process that has trained on one GPU cannot train the next run on another."""
 
+
+    #: a one-GPU run's worker evaluates it (runner._evaluate_in_worker); a run under torchrun is
+    #: evaluated by compare
+    evaluates_in_worker = True
 
     def __init__(self, gpus: GpuPlan, store: ResultStore, out_dir: Path, train_fn: Any) -> None:
         self.gpus, self.store, self.db_path, self.train_fn = gpus, store, store.path, train_fn
