@@ -162,3 +162,28 @@ def test_the_same_suite_directory_twice_is_refused(two_sizes: tuple[Path, Path],
         code, out, err = run_cli(capsys, "trend", *map(str, dirs))
         assert code == 2 and out == "" and err.count("\n") == 1, (code, out, err)
         assert f"{dirs[-1]} is given twice" in err and "different suite directories" in err
+
+
+def test_a_budget_not_trained_yet_leaves_the_trend_over_the_budgets_measured(tmp_path: Path) -> None:
+    """A multi-budget suite whose longest budget has no run yet: the change runs from the first
+    budget to the last one measured (named in the change cell), against a hand computation."""
+    plan = build_plan(load_suite(write_suite(tmp_path, MULTI)), tmp_path / "o", costs_fn=fake_costs)
+    budget_of = {r.run_id: r.budget for r in plan.runs}
+    with ResultStore(plan.out_dir / DB_NAME) as store:
+        run_suite(plan, store, [r for r in plan.runs if r.budget < 122880], train_fn=FakeTrainer(),
+                  console=Console(file=open(os.devnull, "w")))
+        rows_db = [r for r in store.runs() if r.status == "finished"]
+    rows = trend(load_suite_dir(plan.out_dir))
+
+    def diffs(label: str, budget: int) -> np.ndarray:
+        mine = [r for r in rows_db if budget_of[r.run_id] == budget]
+        base = {(r.init_seed, r.data_seed): r.final_val_loss for r in mine if r.label == "llama"}
+        return np.array([r.final_val_loss - base[(r.init_seed, r.data_seed)] for r in mine if r.label == label])
+
+    for r in rows:
+        first, last = diffs(r.label, 40960), diffs(r.label, 80000)
+        assert r.points[-1].effect is None
+        assert r.change == pytest.approx(last.mean() - first.mean(), abs=1e-12)
+        assert r.p == pytest.approx(sps.ttest_ind(last, first, equal_var=False).pvalue, rel=1e-9)
+        assert r.verdict != "-" and r.change_cell().endswith("(41k->80k)")
+    assert "(41k->80k)" in markdown(rows)

@@ -15,6 +15,10 @@ step-down adjusts the p over the shared labels (a family fixed by the suites, no
 The trend's verdict: **holds** when the change is not significant (Holm's p >= alpha, the first
 point's alpha), else **shrinks** when the effect's magnitude fell, **grows** when it rose, and
 **reverses** when the last point's effect has the other sign and is itself significant.
+A point where a label has no finished run yet (a suite whose longest budget is still training)
+is shown as "-" and left out of its change: the change runs from the first point to the last
+one *measured*, and the change column names the two (``6.55M->20M``) whenever that is not the
+first and the last point, so a suite in progress already says how its effects move.
 The suites' runs are separate trainings, but suites that share seeds and data orders are not
 fully independent; Welch's test ignores that, which makes it conservative when the shared data
 order moves both sizes the same way.
@@ -55,10 +59,16 @@ class SizePoint:
 class TrendRow:
     label: str
     points: tuple[SizePoint, ...]
-    change: float | None  # effect(last) - effect(first)
-    p: float | None  # Welch on the per-seed differences, first against last
+    change: float | None  # effect(last measured) - effect(first measured)
+    p: float | None  # Welch on the per-seed differences, first against last measured
     p_holm: float | None = None
     verdict: str = "-"  # holds, shrinks, grows or reverses (module doc)
+    span: str = ""  # "first->last" when the change is not between the first and the last point
+
+    def change_cell(self) -> str:
+        if self.change is None:
+            return "-"
+        return f"{self.change:+.4f}" + (f" ({self.span})" if self.span else "")
 
 
 def _differences(data: ReportData, label: str) -> tuple[float, ...]:
@@ -128,20 +138,32 @@ def trend(suites: list[ReportData]) -> list[TrendRow]:
     shared = [label for label in variants[0] if all(label in v for v in variants[1:])]
     if not shared:
         raise ArchlabError("the suites share no variant label: a trend compares the same variants")
-    rows = []
+    rows, ends = [], []
     for label in shared:
         points = tuple(_point(d, label) for d in suites)
-        first, last = points[0], points[-1]
+        measured = [i for i, pt in enumerate(points) if pt.effect is not None]
         change = p = None
-        if first.effect is not None and last.effect is not None:
+        span = ""
+        if len(measured) >= 2:
+            first, last = points[measured[0]], points[measured[-1]]
             change = last.effect - first.effect
             test = stats.unpaired_test(first.diffs, last.diffs)
             p = None if test is None else test.p
-        rows.append(TrendRow(label=label, points=points, change=change, p=p))
+            if (measured[0], measured[-1]) != (0, len(points) - 1):
+                span = f"{_short(first)}->{_short(last)}"
+            ends.append((first, last))
+        else:
+            ends.append((points[0], points[-1]))
+        rows.append(TrendRow(label=label, points=points, change=change, p=p, span=span))
     adjusted = stats.holm([r.p for r in rows])
     alpha = suites[0].alpha
-    return [TrendRow(r.label, r.points, r.change, r.p, h, trend_verdict(r.points[0], r.points[-1], h, alpha))
-            for r, h in zip(rows, adjusted)]
+    return [TrendRow(r.label, r.points, r.change, r.p, h, trend_verdict(first, last, h, alpha), r.span)
+            for r, h, (first, last) in zip(rows, adjusted, ends)]
+
+
+def _short(point: SizePoint) -> str:
+    """A point's name in a change cell: its budget where the points are budgets of one suite."""
+    return point.suite.rsplit("@", 1)[-1].split(" ")[0] if "@" in point.suite else point.suite
 
 
 def markdown(rows: list[TrendRow]) -> str:
@@ -153,7 +175,7 @@ def markdown(rows: list[TrendRow]) -> str:
         cells = [r.label]
         for p in r.points:
             cells.append("-" if p.effect is None else f"{p.effect:+.4f} ({_p(p.p_adjusted)}, {p.verdict})")
-        cells += ["-" if r.change is None else f"{r.change:+.4f}", _p(r.p), _p(r.p_holm), r.verdict]
+        cells += [r.change_cell(), _p(r.p), _p(r.p_holm), r.verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -175,6 +197,6 @@ def trend_table(rows: list[TrendRow]) -> "Table":
     for r in rows:
         cells = [r.label]
         cells += ["-" if p.effect is None else f"{p.effect:+.4f} {p.verdict}" for p in r.points]
-        cells += ["-" if r.change is None else f"{r.change:+.4f}", _p(r.p), _p(r.p_holm), r.verdict]
+        cells += [r.change_cell(), _p(r.p), _p(r.p_holm), r.verdict]
         table.add_row(*cells)
     return table
