@@ -34,6 +34,7 @@ import numpy as np
 
 from archlab.errors import ArchlabError, UsageError
 from archlab.lab import stats
+from archlab.lab.fmt import si
 from archlab.lab.report.data import ReportData, collect_budgets
 from archlab.lab.store import DB_NAME, ResultStore
 
@@ -138,6 +139,7 @@ def trend(suites: list[ReportData]) -> list[TrendRow]:
     shared = [label for label in variants[0] if all(label in v for v in variants[1:])]
     if not shared:
         raise ArchlabError("the suites share no variant label: a trend compares the same variants")
+    by_budget = len({d.suite["name"] for d in suites}) == 1  # the budgets of one suite
     rows, ends = [], []
     for label in shared:
         points = tuple(_point(d, label) for d in suites)
@@ -150,7 +152,8 @@ def trend(suites: list[ReportData]) -> list[TrendRow]:
             test = stats.unpaired_test(first.diffs, last.diffs)
             p = None if test is None else test.p
             if (measured[0], measured[-1]) != (0, len(points) - 1):
-                span = f"{_short(first)}->{_short(last)}"
+                name = (lambda pt: si(pt.tokens)) if by_budget else (lambda pt: pt.suite)
+                span = f"{name(first)}->{name(last)}"
             ends.append((first, last))
         else:
             ends.append((points[0], points[-1]))
@@ -160,10 +163,6 @@ def trend(suites: list[ReportData]) -> list[TrendRow]:
     return [TrendRow(r.label, r.points, r.change, r.p, h, trend_verdict(first, last, h, alpha), r.span)
             for r, h, (first, last) in zip(rows, adjusted, ends)]
 
-
-def _short(point: SizePoint) -> str:
-    """A point's name in a change cell: its budget where the points are budgets of one suite."""
-    return point.suite.rsplit("@", 1)[-1].split(" ")[0] if "@" in point.suite else point.suite
 
 
 def markdown(rows: list[TrendRow]) -> str:
