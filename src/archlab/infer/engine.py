@@ -326,6 +326,11 @@ class Engine:
         return requests
 
 
+def _step_kind(active: dict[int, Request]) -> tuple[bool, bool]:
+    """Which decode graph a step of ``active`` runs: (every request greedy, some penalised)."""
+    return (all(r.params.greedy for r in active.values()), any(r.params.penalised for r in active.values()))
+
+
 @dataclass
 class StepTokens:
     """A launched decode step's sampled tokens, copied to a host buffer behind ``event``."""
@@ -563,8 +568,7 @@ class Scheduler:
                 r.top_logprobs is not None for r in active.values()):
             launched = None
             if active:
-                greedy = all(r.params.greedy for r in active.values())
-                penalised = any(r.params.penalised for r in active.values())
+                greedy, penalised = _step_kind(active)
                 launched = (self.engine.step_async(greedy, penalised), active)
             previous, self.pending = self.pending, launched
             if previous is not None:
@@ -574,8 +578,7 @@ class Scheduler:
         active = {s: r for s, r in self.running.items() if not r.done}
         if not active:
             return
-        greedy = all(r.params.greedy for r in active.values())
-        penalised = any(r.params.penalised for r in active.values())
+        greedy, penalised = _step_kind(active)
         self._count_step(len(active))
         t0 = time.perf_counter()
         logprobs: dict[int, TokenLogprob] = {}  # by slot; the speculative step refuses logprobs
@@ -621,8 +624,7 @@ class Scheduler:
     def _run_unsynced(self, active: dict[int, Request]) -> None:
         """Steps whose tokens stay on the device until ``sync_every`` of them have run."""
         eng = self.engine
-        greedy = all(r.params.greedy for r in active.values())
-        penalised = any(r.params.penalised for r in active.values())
+        greedy, penalised = _step_kind(active)
         left = max(r.params.max_new_tokens - len(r.tokens) for r in active.values())
         n = min(eng.sync_every, left)
         out = torch.empty(n, eng.slots, dtype=torch.long, device=eng.device)
