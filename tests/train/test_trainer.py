@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 
@@ -292,3 +294,48 @@ def test_cuda_graph_step_matches_the_ordinary_step(stdlib_data, tmp_path, residu
     assert [s for s, _ in curves[True]] == list(range(1, 10))
     # The graph's AdamW reads a float32 rate from a tensor; the ordinary step a Python float.
     np.testing.assert_allclose([l for _, l in curves[True]], [l for _, l in curves[False]], rtol=1e-3)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_at_the_current_step_and_resume_is_exact(stdlib_data, tmp_path, monkeypatch,
+                                                                              capsys, signum):
+    extra = ("train.steps=8", "train.ckpt_every=4", "train.eval_every=4", "train.log_every=1")
+    cfg = small_config(stdlib_data, *extra)
+    train(cfg, tmp_path / "full", show_progress=False)
+    out = tmp_path / "split"
+    real_step = trainer_mod.Run.train_step
+
+    def step_then_signal(self, step):
+        loss = real_step(self, step)
+        if step == 4:  # during the 5th step, between the ckpt_every checkpoints at 4 and 8
+            os.kill(os.getpid(), signum)
+        return loss
+
+    monkeypatch.setattr(trainer_mod.Run, "train_step", step_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, out, show_progress=False)
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_0000005"
+    assert "at step 5 of 8: checkpoint saved" in capsys.readouterr().err
+    assert signal.getsignal(signum) is not None and signal.getsignal(signum) in (
+        signal.default_int_handler, signal.SIG_DFL)  # the handlers are put back
+    monkeypatch.setattr(trainer_mod.Run, "train_step", real_step)
+    res = train(cfg, out, show_progress=False)
+    assert "resuming from step 5" in capsys.readouterr().err
+    assert res.steps == 8
+    assert _losses(tmp_path / "full") == _losses(out)
+
+
+def test_a_second_signal_stops_at_once_without_a_checkpoint(stdlib_data, tmp_path, monkeypatch):
+    cfg = small_config(stdlib_data, "train.steps=8", "train.ckpt_every=4", "train.eval_every=4")
+    real_step = trainer_mod.Run.train_step
+
+    def step_then_two_signals(self, step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # raises here, inside the step
+        return real_step(self, step)
+
+    monkeypatch.setattr(trainer_mod.Run, "train_step", step_then_two_signals)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", show_progress=False)
+    assert (tmp_path / "run" / "ckpt" / "latest").read_text().strip() == "step_0000004"

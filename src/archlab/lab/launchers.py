@@ -22,7 +22,10 @@ from archlab.lab.display import is_done
 from archlab.lab.gpus import GpuPlan, GpuSlots, child_visible_devices
 from archlab.lab.store import ResultStore
 
-_STOP_WAIT_S = 10.0  # how long a worker sent SIGTERM may take to end before it is killed
+# How long a worker sent SIGTERM may take to end before it is killed: a training run finishes its
+# step and saves a checkpoint at it first (archlab.train.trainer._StopRequest), and twenty runs
+# writing their weights and optimizer state at once can take tens of seconds on a slow disk.
+_STOP_WAIT_S = 90.0
 
 
 class PoolLauncher:
@@ -63,8 +66,9 @@ class PoolLauncher:
 
     def _stop_workers(self) -> None:
         """Leaving on an error or a signal (Ctrl-C, SIGTERM): end the workers now rather than wait
-        for their runs to finish, which may take hours. A run stopped this way is left as a kill
-        leaves it: its checkpoints intact and its claim taken over by the next compare."""
+        for their runs to finish, which may take hours. A run in training saves a checkpoint at
+        its current step and leaves; one killed after ``_STOP_WAIT_S`` is left as a kill leaves it:
+        its checkpoints intact and its claim taken over by the next compare."""
         # ProcessPoolExecutor names its workers only privately before Python 3.14's terminate_workers
         workers = list((getattr(self.pool, "_processes", None) or {}).values())
         for proc in workers:

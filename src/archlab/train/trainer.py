@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -430,9 +432,10 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
         run = Run(cfg, out, env)  # validates data and device before anything is written
         # One writer per run directory (archlab.io.run_dir), claimed before its checkpoints are
         # read; under torchrun the run's rank 0 claims it for all its ranks.
-        with run_dir.claim_run_dir(out, notify) if run.is_main else nullcontext():
+        with run_dir.claim_run_dir(out, notify) if run.is_main else nullcontext(), \
+                (_StopRequest.installed() if env is None else nullcontext(None)) as stop:
             return _train(run, resume=resume, progress=progress, stop_after_steps=stop_after_steps,
-                          show_progress=show_progress, notify=notify)
+                          show_progress=show_progress, notify=notify, stop=stop)
     except BaseException as e:
         if env is None:
             raise
@@ -443,6 +446,49 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = True, progress=
         raise raised from None
     finally:
         distributed.teardown(env)
+
+
+class _StopRequest:
+    """Ctrl-C or SIGTERM during training: finish the step on the device, save a checkpoint at
+    it, then leave as an interrupt does. A run on a machine lent for minutes at a time (a
+    ``compare`` stopped by ``timeout``, its ``--jobs`` workers sent SIGTERM) then resumes where it
+    stopped, not at its last ``ckpt_every`` checkpoint; a 57M-token run with checkpoints every
+    500 steps would otherwise lose up to 500 steps to every stop. A second signal stops at once.
+
+    Only for a run in one process: ranks under torchrun could see the signal at different steps,
+    and a checkpoint is collective there. Outside the main thread no handler can be set, and
+    the run keeps the default behaviour."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @classmethod
+    @contextmanager
+    def installed(cls):
+        if threading.current_thread() is not threading.main_thread():
+            yield None
+            return
+        request = cls()
+        previous = {sig: signal.getsignal(sig) for sig in cls.SIGNALS}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+        def handle(signum: int, frame: object) -> None:  # noqa: ARG001
+            if request.signum is not None:  # the second signal: stop now, without a checkpoint
+                restore()
+                raise KeyboardInterrupt(f"stopped by signal {signum}")
+            request.signum = signum
+
+        for sig in cls.SIGNALS:
+            signal.signal(sig, handle)
+        try:
+            yield request
+        finally:
+            restore()
 
 
 class _NoLog:
@@ -456,7 +502,7 @@ class _NoLog:
 
 
 def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, show_progress: bool,
-           notify: Callable[[str], None]) -> TrainResult:
+           notify: Callable[[str], None], stop: _StopRequest | None = None) -> TrainResult:
     cfg, out, tc = run.cfg, run.out, run.cfg.train
     if not run.is_main:
         notify = lambda message: None  # noqa: E731 (rank 0 says it once)
@@ -525,6 +571,13 @@ def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, sh
                 bar.note(f"val {vl:.3f}")
             if run.step % tc.ckpt_every == 0 or run.step == tc.steps:
                 run.save(run.step)
+            elif stop is not None and stop.signum is not None:
+                settle()
+                run.save(run.step)
+                notify(f"stopped by signal {stop.signum} at step {run.step} of {tc.steps}: checkpoint saved "
+                       f"in {out / 'ckpt'}; run the same command again to continue")
+            if stop is not None and stop.signum is not None and run.step < tc.steps:
+                raise KeyboardInterrupt(f"stopped by signal {stop.signum}")
         settle()
         final = _final_evaluation(run, out, log) if run.step == tc.steps else None
     finally:
