@@ -336,6 +336,50 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(stdlib_data, tmp_pat
         return real_step(self, step)
 
     monkeypatch.setattr(trainer_mod.Run, "train_step", step_then_two_signals)
+    monkeypatch.setattr(trainer_mod._StopRequest, "SAME_REQUEST_S", 0.0)  # as if seconds apart
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "run", show_progress=False)
     assert (tmp_path / "run" / "ckpt" / "latest").read_text().strip() == "step_0000004"
+
+
+def test_one_stop_delivered_twice_still_saves(stdlib_data, tmp_path, monkeypatch, capsys):
+    """Ctrl-C reaches a compare worker through the process group and again as compare's SIGTERM,
+    a moment apart: that is one request, and the run saves its step."""
+    cfg = small_config(stdlib_data, "train.steps=8", "train.ckpt_every=4", "train.eval_every=4")
+    real_step = trainer_mod.Run.train_step
+
+    def step_then_group_and_forwarded_signal(self, step):
+        loss = real_step(self, step)
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    monkeypatch.setattr(trainer_mod.Run, "train_step", step_then_group_and_forwarded_signal)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", show_progress=False)
+    assert (tmp_path / "run" / "ckpt" / "latest").read_text().strip() == "step_0000006"
+    assert "at step 6 of 8: checkpoint saved" in capsys.readouterr().err
+
+
+def test_a_signal_before_the_first_step_ends_stops_at_once(stdlib_data, tmp_path, monkeypatch):
+    """A run stopped while its process is still in its first step (compiling, capturing a graph)
+    has nothing new to save: it leaves at once instead of finishing a step that may take minutes,
+    and the checkpoint it resumed from stays the latest."""
+    cfg = small_config(stdlib_data, "train.steps=8", "train.ckpt_every=4", "train.eval_every=4")
+    out = tmp_path / "run"
+    train(cfg, out, show_progress=False, stop_after_steps=4)
+    real_step = trainer_mod.Run.train_step
+    finished = []
+
+    def signal_inside_the_first_step(self, step):
+        os.kill(os.getpid(), signal.SIGTERM)  # raises here, before the step runs
+        finished.append(step)
+        return real_step(self, step)
+
+    monkeypatch.setattr(trainer_mod.Run, "train_step", signal_inside_the_first_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, out, show_progress=False)
+    assert finished == []
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_0000004"
+    assert signal.getsignal(signal.SIGTERM) in (signal.default_int_handler, signal.SIG_DFL)

@@ -71,6 +71,9 @@ class PoolLauncher:
         its checkpoints intact and its claim taken over by the next compare."""
         # ProcessPoolExecutor names its workers only privately before Python 3.14's terminate_workers
         workers = list((getattr(self.pool, "_processes", None) or {}).values())
+        # A worker whose run stops goes back to waiting for the next job, and the signal that
+        # stopped it is spent: shutting the pool down first sends it the sentinel that ends it.
+        self.pool.shutdown(wait=False, cancel_futures=True)
         for proc in workers:
             if proc.is_alive():
                 proc.terminate()

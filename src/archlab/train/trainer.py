@@ -453,16 +453,25 @@ class _StopRequest:
     it, then leave as an interrupt does. A run on a machine lent for minutes at a time (a
     ``compare`` stopped by ``timeout``, its ``--jobs`` workers sent SIGTERM) then resumes where it
     stopped, not at its last ``ckpt_every`` checkpoint; a 57M-token run with checkpoints every
-    500 steps would otherwise lose up to 500 steps to every stop. A second signal stops at once.
+    500 steps would otherwise lose up to 500 steps to every stop. A second signal stops at once,
+    and so does the first before this process has finished a step: there is nothing new to save
+    then, and the first step (compilation, CUDA graph capture) can take minutes.
+
+    One stop often arrives twice: Ctrl-C and ``timeout`` signal the whole process group, and
+    ``compare`` then sends its workers SIGTERM as well. A signal within ``SAME_REQUEST_S`` of
+    the first is taken for the same request, so that only a deliberate second one skips the save.
 
     Only for a run in one process: ranks under torchrun could see the signal at different steps,
     and a checkpoint is collective there. Outside the main thread no handler can be set, and
     the run keeps the default behaviour."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SAME_REQUEST_S = 2.0
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.first_at = 0.0
+        self.armed = False  # set once this process has trained a step worth saving
 
     @classmethod
     @contextmanager
@@ -478,10 +487,13 @@ class _StopRequest:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
         def handle(signum: int, frame: object) -> None:  # noqa: ARG001
-            if request.signum is not None:  # the second signal: stop now, without a checkpoint
+            now = time.monotonic()
+            if request.signum is not None and now - request.first_at < cls.SAME_REQUEST_S:
+                return  # the same stop, delivered twice
+            if request.signum is not None or not request.armed:  # stop now, without a checkpoint
                 restore()
                 raise KeyboardInterrupt(f"stopped by signal {signum}")
-            request.signum = signum
+            request.signum, request.first_at = signum, now
 
         for sig in cls.SIGNALS:
             signal.signal(sig, handle)
@@ -558,6 +570,8 @@ def _train(run: Run, *, resume: bool, progress, stop_after_steps: int | None, sh
             loss_t = run.train_step(run.step)
             run.step += 1
             steps_done += 1
+            if stop is not None:
+                stop.armed = True
             settle()  # the previous step's loss, while this step runs on the device
             now = time.perf_counter()
             pending = (run.step, loss_t, tc.tokens_per_step / max(now - t_prev, 1e-9))
