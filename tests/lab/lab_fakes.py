@@ -257,3 +257,11 @@ class FakeMeasure:
 
 # Short latency settings for the fake suite (measured on any device: ``always``).
 MEASURE_COSTS = "costs: {measure: always, prompt: 32, context: 16, steps: 3, batches: [1, 8]}\n"
+
+
+def stubborn_worker(db_path: Any, job: Any, train_fn: Any) -> None:
+    """A pool worker that ignores SIGTERM (a run stuck in a long device call), for the stop tests."""
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(job).touch()  # ready: from now on only SIGKILL ends it
+    time.sleep(60)

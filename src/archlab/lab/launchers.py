@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,8 +78,9 @@ class PoolLauncher:
         for proc in workers:
             if proc.is_alive():
                 proc.terminate()
+        deadline = time.monotonic() + _STOP_WAIT_S  # one wait for them all, not one per worker
         for proc in workers:
-            proc.join(timeout=_STOP_WAIT_S)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -191,9 +193,10 @@ class GpuLauncher:
             for proc in procs:
                 if proc.poll() is None:
                     proc.terminate()  # the worker's torchrun child dies with it (die_with_parent)
+        deadline = time.monotonic() + _STOP_WAIT_S
         for proc in procs:  # like a pool's shutdown(wait=True)
             try:
-                proc.wait(timeout=None if exc_type is None else _STOP_WAIT_S)
+                proc.wait(timeout=None if exc_type is None else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
