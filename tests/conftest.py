@@ -18,6 +18,20 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def sigint_raises_keyboard_interrupt():
+    """Several tests send themselves SIGINT to stand for Ctrl-C. A shell without job control
+    starts a background command (``pytest &`` in a script) with SIGINT ignored, and Python then
+    keeps it ignored, so those tests would test nothing; give them the interpreter's usual handler."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="session")
 def stdlib_data(tmp_path_factory) -> Path:
     """About 600 KB of real Python source, byte-level BPE with 512 tokens."""

@@ -312,12 +312,12 @@ def test_a_signal_saves_a_checkpoint_at_the_current_step_and_resume_is_exact(std
         return loss
 
     monkeypatch.setattr(trainer_mod.Run, "train_step", step_then_signal)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(KeyboardInterrupt):
         train(cfg, out, show_progress=False)
     assert (out / "ckpt" / "latest").read_text().strip() == "step_0000005"
     assert "at step 5 of 8: checkpoint saved" in capsys.readouterr().err
-    assert signal.getsignal(signum) is not None and signal.getsignal(signum) in (
-        signal.default_int_handler, signal.SIG_DFL)  # the handlers are put back
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the handlers are put back
     monkeypatch.setattr(trainer_mod.Run, "train_step", real_step)
     res = train(cfg, out, show_progress=False)
     assert "resuming from step 5" in capsys.readouterr().err
@@ -383,3 +383,26 @@ def test_a_signal_before_the_first_step_ends_stops_at_once(stdlib_data, tmp_path
     assert finished == []
     assert (out / "ckpt" / "latest").read_text().strip() == "step_0000004"
     assert signal.getsignal(signal.SIGTERM) in (signal.default_int_handler, signal.SIG_DFL)
+
+
+def test_a_signal_the_process_ignores_stays_ignored(stdlib_data, tmp_path, monkeypatch):
+    """Started with SIGTERM ignored (as `nohup` or a script's `cmd &` does for a signal), training
+    neither takes the signal over nor stops on it, and leaves it ignored."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        real_step = trainer_mod.Run.train_step
+        seen = []
+
+        def step_then_signal(self, step):
+            loss = real_step(self, step)
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            seen.append(signal.getsignal(signal.SIGTERM))
+            return loss
+
+        monkeypatch.setattr(trainer_mod.Run, "train_step", step_then_signal)
+        res = train(small_config(stdlib_data, "train.steps=4"), tmp_path / "run", show_progress=False)
+        assert res.steps == 4 and seen == [signal.SIG_IGN] * 4
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

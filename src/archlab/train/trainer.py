@@ -463,7 +463,8 @@ class _StopRequest:
 
     Only for a run in one process: ranks under torchrun could see the signal at different steps,
     and a checkpoint is collective there. Outside the main thread no handler can be set, and
-    the run keeps the default behaviour."""
+    the run keeps the default behaviour. A signal the process was started ignoring (``nohup``,
+    ``cmd &`` in a script) stays ignored: whoever started it asked for that."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     SAME_REQUEST_S = 2.0
@@ -481,6 +482,7 @@ class _StopRequest:
             return
         request = cls()
         previous = {sig: signal.getsignal(sig) for sig in cls.SIGNALS}
+        previous = {sig: handler for sig, handler in previous.items() if handler is not signal.SIG_IGN}
 
         def restore() -> None:
             for sig, handler in previous.items():
@@ -495,7 +497,7 @@ class _StopRequest:
                 raise KeyboardInterrupt(f"stopped by signal {signum}")
             request.signum, request.first_at = signum, now
 
-        for sig in cls.SIGNALS:
+        for sig in previous:
             signal.signal(sig, handle)
         try:
             yield request
