@@ -481,8 +481,7 @@ class _StopRequest:
             yield None
             return
         request = cls()
-        previous = {sig: signal.getsignal(sig) for sig in cls.SIGNALS}
-        previous = {sig: handler for sig, handler in previous.items() if handler is not signal.SIG_IGN}
+        previous = {sig: handler for sig in cls.SIGNALS if (handler := signal.getsignal(sig)) is not signal.SIG_IGN}
 
         def restore() -> None:
             for sig, handler in previous.items():
