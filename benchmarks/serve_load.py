@@ -9,7 +9,7 @@ then streams completions over HTTP (httpx, server-sent events) from 1 and from N
 clients. Reports completed streams (none may be lost), tokens received, aggregate tokens/s, and
 per-stream time to first token, and how the engine batched them: decode steps, the mean and the
 most active slots per step (1 means the streams ran one after another), prefill calls and the
-requests they admitted. ``--step-delay`` adds seconds to every decode step (a GIL-free sleep,
+requests they admitted. ``--stream-interval N`` sends an event every N tokens after the first. ``--step-delay`` adds seconds to every decode step (a GIL-free sleep,
 like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time, one that is text on its
 own):
 what is left is the host path's own rate (scheduling, detokenising, server-sent events, the event
@@ -42,7 +42,7 @@ from archlab.model import build_model  # noqa: E402
 
 async def one_stream(client, url: str, prompt: str, max_tokens: int, seed: int) -> dict:
     t0 = time.perf_counter()
-    first, tokens, finish = None, 0, None
+    first, tokens, finish, events = None, 0, None, 0
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
             "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", url, json=body) as r:
@@ -55,9 +55,11 @@ async def one_stream(client, url: str, prompt: str, max_tokens: int, seed: int) 
                 first = time.perf_counter() - t0
             if chunk["choices"]:
                 finish = chunk["choices"][0]["finish_reason"] or finish
+                events += 1
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return {"ttft_s": first, "tokens": tokens, "finish": finish, "wall_s": time.perf_counter() - t0}
+    return {"ttft_s": first, "tokens": tokens, "finish": finish, "events": events,
+            "wall_s": time.perf_counter() - t0}
 
 
 def clean_token(tok) -> int:
@@ -102,7 +104,8 @@ async def load(url: str, clients: int, max_tokens: int) -> dict:
             "errors": [repr(r) for r in results if not isinstance(r, dict)][:3],
             "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
-            "ttft_median_s": statistics.median(r["ttft_s"] for r in ok) if ok else None}
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in ok) if ok else None,
+            "events_median": statistics.median(r["events"] for r in ok) if ok else None}
 
 
 def _clients_process(url: str, clients: int, max_tokens: int, out) -> None:
@@ -140,6 +143,8 @@ def main() -> None:
                          "session) instead of in a process of their own")
     ap.add_argument("--no-pipeline", action="store_true",
                     help="hand out each step's tokens before launching the next (the engine loop's overlap off)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed event after the first (archlab serve --stream-interval)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import uvicorn
@@ -187,7 +192,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "bench", tok.token_to_id(EOS_TOKEN)),
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "bench", tok.token_to_id(EOS_TOKEN),
+                                                      stream_interval=args.stream_interval),
                                            host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

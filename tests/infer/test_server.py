@@ -87,6 +87,43 @@ def test_streaming_gives_the_same_text(served):
     assert "".join(c.choices[0].text for c in chunks) == expected(model, tok, eos, "import os\n", 16, temperature=0.0)
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_sends_fewer_larger_events_with_the_same_text(tiny_run, interval):
+    """``--stream-interval N``: with one token per decode step (a slow step, so tokens do not
+    pile up between events), the first token's event goes at once and the rest come N tokens at
+    a time; the text is what interval 1 and a non-streamed request give."""
+    model, tok, eos, _ = load_for_inference(tiny_run, "cpu", "float32")
+    engine = Engine(model, slots=1)
+    step = engine.step
+
+    def slow_step(greedy: bool = False, penalised: bool = False):
+        time.sleep(0.02)
+        return step(greedy, penalised)
+
+    engine.step = slow_step
+    prompt, n = "import os\n", 17
+    want = expected(model, tok, eos, prompt, n, temperature=0.0)
+    with running_server(engine, tok, eos, stream_interval=interval) as (_, port):
+        client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    m = chunks[-1].usage.completion_tokens
+    assert "".join(texts) == want and m >= 9
+    events = [t for t in texts if t]
+    if interval == 1:
+        assert len(events) >= m // 2  # one event per step, less tokens whose text is held back
+    else:  # the first at once, then the rest in events of 4 (the last may be shorter)
+        assert 2 <= len(events) <= 1 + -(-(m - 1) // interval) + 1
+
+
+def test_a_stream_interval_below_one_is_refused():
+    from archlab.infer.streams import Serving
+
+    with pytest.raises(ValueError, match="stream_interval"):
+        Serving(None, None, None, None, stream_interval=0)
+
+
 def test_stop_strings_cut_the_text(served):
     client, model, tok, eos, *_ = served
     full = expected(model, tok, eos, "class A:", 24, temperature=0.0)

@@ -180,7 +180,7 @@ def cmd_serve(args) -> int:
 
     serve(args.ckpt, host=args.host, port=args.port, slots=args.slots, device=args.device, dtype=args.dtype,
           model_name=args.model_name, warm_up=not args.no_warm_up, speculate=speculative_options(args),
-          limits=limits)
+          limits=limits, stream_interval=args.stream_interval)
     return 0
 
 
@@ -398,6 +398,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time limit of one request from its arrival, its wait for a slot included: past it the "
                         "request ends with the text so far and finish_reason \"length\", and its slot frees "
                         "(default 600; 0: no limit)")
+    s.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
+                   help="streamed responses send an event every N tokens after the first (which goes at once) and "
+                        "at the end: fewer, larger events for clients that need not see every token (default 1)")
     _inference_args(s)
     s.set_defaults(func=cmd_serve)
 

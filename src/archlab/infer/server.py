@@ -71,9 +71,11 @@ async def until_disconnected(http, work) -> tuple[bool, Any]:
 
 
 def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = None,
-               limits: ServerLimits = ServerLimits(), chat_template: ChatTemplate | None = None):
+               limits: ServerLimits = ServerLimits(), chat_template: ChatTemplate | None = None,
+               stream_interval: int = 1):
     """The FastAPI app on ``loop``; its metrics are ``app.state.metrics``. ``chat_template``: the
-    checkpoint's (``infer.chat``); without one, chat requests get a 400."""
+    checkpoint's (``infer.chat``); without one, chat requests get a 400. ``stream_interval``:
+    tokens per streamed event after the first (``streams.Choice.pieces``)."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -98,7 +100,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
     created = int(time.time())
     metrics = app.state.metrics = ServerMetrics(loop.engine.slots, lambda: loop.queue_length,
                                                 lambda: loop.slots_in_use)
-    serving = Serving(loop, tokenizer, metrics, limits)
+    serving = Serving(loop, tokenizer, metrics, limits, stream_interval)
     app.add_middleware(Guard, limits=limits, count=lambda outcome: metrics.requests.inc(value=outcome))
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "archlab",
                   "max_model_len": loop.engine.max_len}
@@ -289,10 +291,11 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str, eos: int | None = N
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 16, device: str = "auto",
           dtype: str = "auto", model_name: str | None = None, warm_up: bool = True,
-          speculate: SpeculativeOptions | None = None, limits: ServerLimits = ServerLimits()) -> None:
+          speculate: SpeculativeOptions | None = None, limits: ServerLimits = ServerLimits(),
+          stream_interval: int = 1) -> None:
     """Load a checkpoint and serve it until interrupted; ``speculate``: self-speculative decoding
     (checked against the model before the server listens); ``limits``: the API key and the
-    bounds on each request's work.
+    bounds on each request's work; ``stream_interval``: tokens per streamed event after the first.
 
     The checkpoint and the engine's options are checked first, then the port is bound (a port in
     use fails in one line, before the warm-up's compilations), and the "serving" line comes only
@@ -315,7 +318,7 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 16,
             engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
         loop = EngineLoop(engine).start()
         try:
-            app = create_app(loop, tokenizer, model_name or name, eos, limits, template)
+            app = create_app(loop, tokenizer, model_name or name, eos, limits, template, stream_interval)
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
             sock.listen(2048)  # uvicorn's backlog
             spec = engine.speculative

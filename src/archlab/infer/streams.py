@@ -220,14 +220,19 @@ class Choice:
     async def pieces(self) -> AsyncIterator[tuple[str, str | None, list[TokenLogprob]]]:
         """(new text, finish reason or None, the log-probabilities of the tokens since the last
         piece) per batch of the tokens that have arrived, until the request ends: a stream that
-        falls behind catches up in fewer, larger chunks."""
+        falls behind catches up in fewer, larger chunks. After the first piece with text (sent
+        at once: the time to first token), a piece waits until ``stream_interval`` tokens have
+        arrived since the last one; the last piece goes when the request ends."""
         text = TextStream(self.serving.tokenizer, self.stops, self.hidden)
+        interval = self.serving.stream_interval
         entries: list[TokenLogprob] = []
+        parts: list[str] = []
+        waiting = 0  # tokens whose text is in ``parts`` and not yet sent
+        sent = False
         while True:
             arrived_now = [await self.tokens.get()]
             while not self.tokens.empty():
                 arrived_now.append(self.tokens.get_nowait())
-            parts = []
             for token, finish, entry in arrived_now:
                 if token == TIME_UP:  # the text so far ends it, as max_tokens would have
                     self.end("timeout")
@@ -240,6 +245,7 @@ class Choice:
                 if entry is not None:
                     entries.append(entry)
                 parts.append(text.add(token, final=finish is not None))
+                waiting += 1
                 if text.stopped:  # the stop string ends it; ``end`` frees the slot
                     self.end("stop")
                     yield "".join(parts), "stop", entries
@@ -248,9 +254,9 @@ class Choice:
                     self.end("stop" if finish == "stop" else "length")
                     yield "".join(parts), "stop" if finish == "stop" else "length", entries
                     return
-            if any(parts):
+            if any(parts) and (not sent or waiting >= interval):
                 yield "".join(parts), None, entries
-                entries = []
+                parts, entries, waiting, sent = [], [], 0, True
 
     async def collect(self) -> tuple[str, str | None, list[TokenLogprob]]:
         parts, finish, entries = [], None, []
@@ -264,8 +270,15 @@ class Serving:
     """What every handler shares: the engine loop, the tokenizer, metrics, limits, and one
     ``Mailbox`` per event loop."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, metrics: ServerMetrics, limits: ServerLimits):
+    def __init__(self, loop: EngineLoop, tokenizer, metrics: ServerMetrics, limits: ServerLimits,
+                 stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.loop, self.tokenizer, self.metrics, self.limits = loop, tokenizer, metrics, limits
+        # Tokens per streamed event after the first: each event costs the event loop a JSON
+        # encoding and an SSE write, holding the GIL the engine thread needs between steps
+        # (whether fewer events raise the server's rate: docs/benchmarks.md, not on the CPU VM).
+        self.stream_interval = stream_interval
         self.mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
 
     def mailbox(self) -> Mailbox:
