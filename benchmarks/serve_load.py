@@ -9,8 +9,8 @@ then streams completions over HTTP (httpx, server-sent events) from 1 and from N
 clients. Reports completed streams (none may be lost), tokens received, aggregate tokens/s, and
 per-stream time to first token, and how the engine batched them: decode steps, the mean and the
 most active slots per step (1 means the streams ran one after another), prefill calls and the
-requests they admitted. ``--stream-interval N`` sends an event every N tokens after the first. ``--step-delay`` adds seconds to every decode step (a GIL-free sleep,
-like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time, one that is text on its
+requests they admitted. ``--stream-interval N`` sends an event every N tokens after the first.
+``--step-delay`` adds seconds to every decode step (a GIL-free sleep, like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time, one that is text on its
 own):
 what is left is the host path's own rate (scheduling, detokenising, server-sent events, the event
 loop), the ceiling the server can reach on any model. Prints one JSON object per load level.

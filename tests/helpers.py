@@ -23,6 +23,21 @@ def tiny_model_cfg(**over):
     return cfg
 
 
+def slow_down(engine, step_s: float):
+    """``engine`` with every decode step taking at least ``step_s`` longer: a slow accelerator,
+    which the engine thread waits for without the GIL, so requests overlap as on a busy server."""
+    import time
+
+    step = engine.step
+
+    def slow_step(greedy: bool = False, penalised: bool = False):
+        time.sleep(step_s)
+        return step(greedy, penalised)
+
+    engine.step = slow_step
+    return engine
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """``archlab ARGV`` in-process: (exit code, stdout, stderr); argparse's exits count too."""
     from archlab.cli import main

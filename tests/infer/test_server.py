@@ -22,6 +22,7 @@ from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.loading import load_for_inference  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
 from archlab.infer.server import EngineLoop, create_app  # noqa: E402
+from tests.helpers import slow_down  # noqa: E402
 
 SLOTS = 4
 
@@ -93,14 +94,7 @@ def test_stream_interval_sends_fewer_larger_events_with_the_same_text(tiny_run, 
     pile up between events), the first token's event goes at once and the rest come N tokens at
     a time; the text is what interval 1 and a non-streamed request give."""
     model, tok, eos, _ = load_for_inference(tiny_run, "cpu", "float32")
-    engine = Engine(model, slots=1)
-    step = engine.step
-
-    def slow_step(greedy: bool = False, penalised: bool = False):
-        time.sleep(0.02)
-        return step(greedy, penalised)
-
-    engine.step = slow_step
+    engine = slow_down(Engine(model, slots=1), 0.02)
     prompt, n = "import os\n", 17
     want = expected(model, tok, eos, prompt, n, temperature=0.0)
     with running_server(engine, tok, eos, stream_interval=interval) as (_, port):
@@ -225,13 +219,7 @@ def test_concurrent_streams_share_the_decode_batch(tiny_run):
     engine = Engine(model, slots=64)
     engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
     warmed = set(engine._prefills)
-    step = engine.step
-
-    def slow_step(greedy: bool = False, penalised: bool = False):
-        time.sleep(0.03)  # a slow accelerator: the engine thread waits without the GIL
-        return step(greedy, penalised)
-
-    engine.step = slow_step
+    slow_down(engine, 0.03)
 
     async def one(client: httpx.AsyncClient, port: int, i: int) -> int:
         body = {"model": "tiny", "prompt": f"def f{i}(", "max_tokens": 24, "temperature": 0.9, "seed": i,

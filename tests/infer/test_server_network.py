@@ -28,7 +28,7 @@ from archlab.infer.loading import load_for_inference  # noqa: E402
 from archlab.infer.metrics import Counter, Histogram, ServerMetrics, label_text, number  # noqa: E402
 from archlab.infer.sampling import SamplingParams  # noqa: E402
 from archlab.infer.server_limits import ServerLimits, bind, exposure_warning  # noqa: E402
-from tests.helpers import run_cli  # noqa: E402
+from tests.helpers import run_cli, slow_down  # noqa: E402
 from tests.infer.test_server import running_server  # noqa: E402
 
 KEY = "s3cret-key"
@@ -42,15 +42,7 @@ def tiny(tiny_run):
 
 def slow_engine(model, slots: int, step_s: float) -> Engine:
     """An engine whose decode step takes at least ``step_s``: requests overlap as on a busy server."""
-    engine = Engine(model, slots=slots)
-    step = engine.step
-
-    def slow_step(greedy: bool = False, penalised: bool = False):
-        time.sleep(step_s)
-        return step(greedy, penalised)
-
-    engine.step = slow_step
-    return engine
+    return slow_down(Engine(model, slots=slots), step_s)
 
 
 def wait_for(condition, failure: str, seconds: float = 10) -> None:
