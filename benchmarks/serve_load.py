@@ -145,6 +145,10 @@ def main() -> None:
                     help="hand out each step's tokens before launching the next (the engine loop's overlap off)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tokens per streamed event after the first (archlab serve --stream-interval)")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                    help="uvicorn's event loop (auto: uvloop when installed, as archlab serve)")
+    ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
+                    help="uvicorn's HTTP parser (auto: httptools when installed, as archlab serve)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import uvicorn
@@ -194,7 +198,8 @@ def main() -> None:
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, "bench", tok.token_to_id(EOS_TOKEN),
                                                       stream_interval=args.stream_interval),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+                                           host="127.0.0.1", port=port, log_level="warning",
+                                           loop=args.loop, http=args.http))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
