@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -215,6 +216,52 @@ def test_a_worker_out_of_memory_is_one_line_and_the_run_stays_resumable(tmp_path
                       train_fn=OutOfMemoryTrainer())
         assert "\n" not in str(e.value)
         assert store.claims() == {} and [r.status for r in store.runs()] == ["running"]
+
+
+class OutOfMemoryOnceTrainer(FakeTrainer):
+    """The fake trainer, except that the first attempt at a run of ``label`` runs out of memory
+    after its checkpoint at step 10 (``marker`` records that it did, across worker processes)."""
+
+    def __init__(self, label: str, marker: Path, log: Path) -> None:
+        super().__init__(log=log)
+        self.label, self.marker = label, marker
+
+    def __call__(self, cfg: Any, out: Path, **kwargs: Any) -> Any:
+        if not Path(out).name.startswith(f"{self.label}-") or self.marker.exists():
+            return super().__call__(cfg, out, **kwargs)
+        self.marker.touch()
+        super().__call__(cfg, out, **{**kwargs, "stop_after_steps": 10})
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB.")
+
+
+def test_a_pool_worker_out_of_memory_lowers_the_limit_and_the_run_resumes(tmp_path: Path) -> None:
+    """16 runs on one H100 (2026-12-05): the iso-FLOP branch ran out of memory and the whole
+    compare ended. Now the pool runs one fewer at once and the run resumes from its checkpoint."""
+    plan = build_plan(load_suite(write_suite(tmp_path, SMALL_SUITE)), tmp_path / "out", costs_fn=fake_costs)
+    log, marker = tmp_path / "log", tmp_path / "oom-once"
+    console = Console(file=open(os.devnull, "w"), width=300, record=True)
+    with ResultStore(tmp_path / "out" / DB_NAME) as store:
+        outcome = run_suite(plan, store, list(plan.runs), console=console, jobs=2,
+                            train_fn=OutOfMemoryOnceTrainer("same", marker, log))
+        assert outcome.finished == 4 and marker.exists()
+        assert all(r.status == "finished" for r in store.runs()) and store.claims() == {}
+    said = " ".join(console.export_text().split())
+    assert re.search(r"same seed 0 ran out of GPU memory beside [01] other run\(s\): from now on at most 1 at "
+                     r"once; it resumes from its last checkpoint", said), said
+    starts = [(name, step) for name, step, _pid in map(json.loads, log.read_text().splitlines())
+              if name.startswith("same-")]
+    assert [step for _name, step in starts] == [0, 10]  # the second attempt resumed at the checkpoint
+
+
+def test_out_of_memory_of_a_run_alone_ends_compare_in_one_line(tmp_path: Path) -> None:
+    """Every run runs out of memory: the pool goes down to one run at a time, and a run that runs
+    out of memory alone ends the compare with advice about the run, not about --jobs."""
+    plan = build_plan(load_suite(write_suite(tmp_path, SMALL_SUITE)), tmp_path / "out", costs_fn=fake_costs)
+    with ResultStore(tmp_path / "out" / DB_NAME) as store:
+        with pytest.raises(OutOfMemory, match=r"^\S+ seed 0 ran out of GPU memory with no other run beside "
+                                              r"it; .* train.grad_accum") as e:
+            run_suite(plan, store, list(plan.runs)[:2], console=quiet(), jobs=2, train_fn=OutOfMemoryTrainer())
+        assert "\n" not in str(e.value) and store.claims() == {}
 
 
 def test_the_torchrun_command_and_config_of_a_multi_gpu_run(tmp_path: Path) -> None:

@@ -54,6 +54,14 @@ class PoolLauncher:
     def has_room(self) -> bool:
         return self.running < self.jobs
 
+    def shrink(self) -> int | None:
+        """One run fewer at once from now on (a run ran out of GPU memory beside the others):
+        the new limit, or None when it is already one run."""
+        if self.jobs <= 1:
+            return None
+        self.jobs -= 1
+        return self.jobs
+
     def ended(self, fut: "cf.Future[Any]") -> None:
         self.running -= 1
 

@@ -524,11 +524,29 @@ def _train_worker(db_path: Path, job: _Job, train_fn: TrainFn | None) -> RunEnd:
     else:
         def train(cfg: RunConfig, out: Path) -> TrainOutcome:
             return train_fn(cfg, out, resume=True, progress=None, stop_after_steps=stop)
-    with ResultStore(db_path) as store:
-        end = _train_claimed(store, job, train)
-        if end.kind == "finished" and job.downstream is not None:
-            end = _evaluate_in_worker(store, job, end)
-        return end
+    try:
+        with ResultStore(db_path) as store:
+            end = _train_claimed(store, job, train)
+            if end.kind == "finished" and job.downstream is not None:
+                end = _evaluate_in_worker(store, job, end)
+            return end
+    except BaseException as e:
+        if is_out_of_memory(e):
+            # compare may give this worker the run again: hand the failed attempt's cached
+            # blocks back to the driver so that the runs beside it can have them meanwhile
+            e.__traceback__ = None
+            _release_gpu_cache()
+        raise
+
+
+def _release_gpu_cache() -> None:
+    import gc
+    import sys
+
+    torch = sys.modules.get("torch")
+    gc.collect()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _evaluate_in_worker(store: ResultStore, job: _Job, end: RunEnd) -> RunEnd:
@@ -551,11 +569,15 @@ def _evaluate_in_worker(store: ResultStore, job: _Job, end: RunEnd) -> RunEnd:
     return replace(end, message=f"{end.message}\n  {said}") if said else end
 
 
-def _as_user_error(run: PlannedRun, e: BaseException) -> BaseException:
-    """A worker's out-of-memory error is a resource limit (too many runs on one GPU), said in one
-    line; any other error keeps its traceback."""
+def _as_user_error(run: PlannedRun, e: BaseException, alone: bool = False) -> BaseException:
+    """A worker's out-of-memory error is a resource limit (too many runs on one GPU, or a run too
+    large for it), said in one line; any other error keeps its traceback."""
     if not is_out_of_memory(e):
         return e
+    if alone:
+        return OutOfMemory(f"{run.label} seed {run.init_seed} ran out of GPU memory with no other run beside "
+                           "it; it is resumable: lower train.batch_size and raise train.grad_accum by the "
+                           "same factor (the same tokens per step), or use a GPU with more memory")
     return OutOfMemory(f"{run.label} seed {run.init_seed} ran out of GPU memory beside the other runs of "
                        "this compare; finished runs are recorded and this one is resumable: run compare "
                        "again with fewer --jobs (or --runs-per-gpu)")
@@ -576,11 +598,15 @@ def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: s
     (``_evaluate_in_worker``); what a finished run still lacks after that (its worker's
     evaluation failed, or the launcher runs it under torchrun) is evaluated in this process, one
     at a time, after the run's slot has gone to the next run (the bars pause meanwhile).
+    A run that runs out of GPU memory beside the others lowers the pool's limit by one and goes
+    back to the head of the queue (``PoolLauncher.shrink``); at one run, or under ``--gpus``,
+    it ends the compare with one line (``_as_user_error``).
     """
     error: BaseException | None = None
     in_worker = downstream.job() if downstream is not None and launcher.evaluates_in_worker else None
     with launcher:
         pending: dict[cf.Future[RunEnd], tuple[PlannedRun, TaskID]] = {}
+        company: dict[cf.Future[RunEnd], int] = {}  # the most other runs each had beside it
         queue = list(todo)
 
         def submit() -> None:
@@ -598,6 +624,8 @@ def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: s
                 task = progress.add_task(f"{run.label} seed {run.init_seed}", total=run.steps, loss="-",
                                          tok_s="-")
                 pending[fut] = (run, task)
+                for f in pending:
+                    company[f] = max(company.get(f, 0), len(pending) - 1)
 
         submit()
         while pending:
@@ -611,13 +639,28 @@ def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: s
             evaluate: list[PlannedRun] = []
             for fut in done:
                 run, task = pending.pop(fut)
+                beside = company.pop(fut, 0)
                 launcher.ended(fut)
                 try:
                     end = fut.result()
                 except BaseException as e:  # noqa: BLE001 - re-raised once the running runs end
                     progress.remove_task(task)
+                    fewer = None
+                    if is_out_of_memory(e) and error is None and isinstance(launcher, PoolLauncher):
+                        # one fewer at once; already at one, a run that had company tries alone
+                        fewer = launcher.shrink() or (launcher.jobs if beside else None)
+                    if fewer is not None:
+                        # Memory, not the run, was at fault: it resumes from its last checkpoint
+                        # once a slot frees under the lower limit (ever lower, down to one run).
+                        queue.insert(0, run)
+                        eta.jobs = fewer
+                        progress.console.print(
+                            f"[yellow]{run.label} seed {run.init_seed} ran out of GPU memory beside "
+                            f"{beside} other run(s)[/yellow]: from now on at most {fewer} at once; "
+                            "it resumes from its last checkpoint when a slot frees", highlight=False)
+                        continue
                     eta.ended(run, None)
-                    error = error or _as_user_error(run, e)
+                    error = error or _as_user_error(run, e, alone=beside == 0 and isinstance(launcher, PoolLauncher))
                     continue
                 eta.ended(run, end.row)
                 end_run(progress, overall, end.message, task)
