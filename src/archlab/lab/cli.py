@@ -53,7 +53,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="train only these variants now (and the baseline); the report covers the suite")
     c.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                    help="train N runs at once, each in its own process (small models leave a GPU "
-                        "mostly idle; default: 1)")
+                        "mostly idle; default: 1); a run that runs out of GPU memory beside the "
+                        "others lowers N by one and resumes from its checkpoint")
     c.add_argument("--gpus", metavar="IDS",
                    help="place the runs on these GPUs: 'all' (every visible CUDA device) or indices like "
                         "0,1; each run trains in its own process pinned to its GPU(s) "
