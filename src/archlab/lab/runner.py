@@ -599,8 +599,9 @@ def _run_parallel(plan: Plan, todo: list[PlannedRun], tally: _Tally, revision: s
     evaluation failed, or the launcher runs it under torchrun) is evaluated in this process, one
     at a time, after the run's slot has gone to the next run (the bars pause meanwhile).
     A run that runs out of GPU memory beside the others lowers the pool's limit by one and goes
-    back to the head of the queue (``PoolLauncher.shrink``); at one run, or under ``--gpus``,
-    it ends the compare with one line (``_as_user_error``).
+    back to the head of the queue (``PoolLauncher.shrink``); at a limit of one, a run that had
+    company tries once alone. One that ran out alone, or any under ``--gpus``, ends the compare
+    with one line (``_as_user_error``).
     """
     error: BaseException | None = None
     in_worker = downstream.job() if downstream is not None and launcher.evaluates_in_worker else None
