@@ -27,7 +27,9 @@ if [ ! -f /tmp/unpacked ]; then
     touch /tmp/unpacked
 fi
 running() { [ -f /tmp/compare.pid ] && kill -0 "$(cat /tmp/compare.pid)" 2>/dev/null; }
-if ! running && { [ ! -f /tmp/compare.pid ] || [ -f /tmp/compare.stopped ]; }; then
+# A compare that ended (finished, stopped or failed) is started again: it skips finished runs, so
+# a call with other options (e.g. --variants) after one that finished trains what it names.
+if ! running; then
     [ -f /tmp/compare.log ] && cat /tmp/compare.log >> /tmp/compare.earlier.log
     rm -f /tmp/compare.stopped
     echo "uid $(id -u): starting compare" > /tmp/compare.log

@@ -167,7 +167,7 @@ def fig_latency(data: ReportData) -> Figure:
 def fig_effect_by_length(rows: list[Any]) -> Figure:
     """Each variant's effect (variant - baseline, final loss) with its 95% CI against the token
     budget of a multi-budget suite (``archlab.lab.report.trend`` rows), log-scaled tokens."""
-    fig = Figure(figsize=(8, 4.2), layout="constrained")
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
     ax = fig.subplots()
     if not rows:
         _empty(ax, "no variant shared by every budget")
@@ -187,5 +187,6 @@ def fig_effect_by_length(rows: list[Any]) -> Figure:
     ax.set_xlabel("training tokens of the baseline run (budget)")
     ax.set_ylabel("Δ final validation loss (negative is better)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    # Beside the axes, not on them: any corner of the axes can hold a budget's point.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return fig
