@@ -9,11 +9,18 @@ then streams completions over HTTP (httpx, server-sent events) from 1 and from N
 clients. Reports completed streams (none may be lost), tokens received, aggregate tokens/s, and
 per-stream time to first token, and how the engine batched them: decode steps, the mean and the
 most active slots per step (1 means the streams ran one after another), prefill calls and the
-requests they admitted. ``--stream-interval N`` sends an event every N tokens after the first.
-``--step-delay`` adds seconds to every decode step (a GIL-free sleep, like waiting for a GPU). ``--null-model`` makes every decode step free (the same token each time, one that is text on its
-own):
-what is left is the host path's own rate (scheduling, detokenising, server-sent events, the event
-loop), the ceiling the server can reach on any model. Prints one JSON object per load level.
+requests they admitted, and ``steady_ms_per_step``: the median time between decode steps over the
+middle half of a load, without the streams' admission and ends. ``--stream-interval N`` sends an
+event every N tokens after the first.
+
+``--null-model`` makes every decode step free (the same token each time, one that is text on its
+own): what is left is the host path's own rate (scheduling, detokenising, server-sent events, the
+event loop), the ceiling the server can reach on any model. With it, ``--device-step-ms`` gives the
+steps a simulated device that runs them one after another while the host goes on, as a GPU does
+(launch returns at once, reading the tokens waits for the step's end), and ``--device-prefill-ms``
+makes each prefill call take that long instead of running the model: the host path against a GPU's
+timings, on any machine's CPU. ``--step-delay`` instead adds seconds to every decode step on the
+host (a GIL-free sleep that the host cannot overlap). Prints one JSON object per load level.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from archlab.config import make_config  # noqa: E402
 from archlab.data.tokenizer import EOS_TOKEN, load_tokenizer  # noqa: E402
-from archlab.infer.engine import Engine  # noqa: E402
+from archlab.infer.engine import Engine, _group_sizes  # noqa: E402
 from archlab.infer.server import EngineLoop, create_app  # noqa: E402
 from archlab.model import build_model  # noqa: E402
 
@@ -128,12 +135,114 @@ def run_clients(url: str, clients: int, max_tokens: int, in_process: bool) -> di
     return result
 
 
+def engine_rate(engine: Engine, steps: int = 200) -> dict:
+    """Milliseconds per decode step and tokens/s of ``engine`` stepping every slot on its own."""
+    def sync() -> None:
+        if engine.cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(5):
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    return {"slots": engine.slots, "ms_per_step": round(1e3 * dt, 4), "tokens_per_s": round(engine.slots / dt)}
+
+
+def record_steps(scheduler) -> list[float]:
+    """The host times at which ``scheduler`` counts its decode steps (as their tokens are handed
+    out), appended as they come."""
+    times: list[float] = []
+    count = scheduler._count_step
+
+    def recorded(*args_, **kwargs):
+        times.append(time.perf_counter())
+        return count(*args_, **kwargs)
+
+    scheduler._count_step = recorded
+    return times
+
+
+def steady_interval(times: list[float]) -> float:
+    """The median time between two steps over the middle half of a load's decode steps:
+    the steady state, without the admission of the streams at the start and their ends."""
+    n = len(times)
+    gaps = [b - a for a, b in zip(times[n // 4:3 * n // 4], times[n // 4 + 1:3 * n // 4 + 1])]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+class SimulatedStep:
+    """A launched step on the simulated device: its tokens can be read once its time is up."""
+
+    def __init__(self, tokens: list[int], done_at: float):
+        self.tokens, self.done_at = tokens, done_at
+
+    def wait(self) -> list[int]:
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)  # releases the GIL, as waiting on a CUDA event does
+        return self.tokens
+
+
+def simulate_device(engine: Engine, step_s: float) -> None:
+    """Give ``engine``'s (null) decode steps a device that takes ``step_s`` per step and runs
+    them in order, one after another, while the host goes on: a step launched while another runs
+    starts when that one ends. ``step_async`` returns at once, as a CUDA graph's launch does; a
+    synchronous ``step`` waits for its own end. What ``--step-delay`` cannot show: how much of the
+    host's work per step the device's time hides."""
+    state = {"free_at": 0.0}
+    step = engine.step
+
+    def launch() -> float:
+        state["free_at"] = max(time.perf_counter(), state["free_at"]) + step_s
+        return state["free_at"]
+
+    def step_async(*args_, **kwargs):
+        tokens = step(*args_, **kwargs).tolist()
+        return SimulatedStep(tokens, launch())
+
+    def step_sync(*args_, **kwargs):
+        tokens = step(*args_, **kwargs)
+        SimulatedStep([], launch()).wait()
+        return tokens
+
+    engine.step_async = step_async  # type: ignore[method-assign]
+    engine.step = step_sync  # type: ignore[method-assign]
+
+
+def simulate_prefill(engine: Engine, token: int, call_s: float) -> None:
+    """Prefill calls that set the slots' state as the engine's do (sampling parameters, first
+    token, positions) and take ``call_s`` each instead of running the model; a batch is still
+    split into the engine's groups, one call per group."""
+    def prefill(rows: list[int], prompts: list[list[int]], params) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(prompts)
+        if _group_sizes(n) != [n]:
+            return engine._prefill_in_groups(rows, prompts, params)
+        index = torch.tensor(rows, device=engine.device)
+        engine._set_params(index, params)
+        first = torch.full((n,), token, dtype=torch.long, device=engine.device)
+        engine.tokens[index] = first
+        engine.positions[index] = torch.tensor([len(p) for p in prompts], device=engine.device)
+        time.sleep(call_s)
+        return first, torch.zeros(n, engine.vocab, device=engine.device)
+
+    engine.prefill = prefill  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", help="a tokenizer.json (default with --preset tiny: bytes)")
     ap.add_argument("--preset", default="124m", help="a config preset, or tiny (the tests' tiny model)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per decode step")
+    ap.add_argument("--device-step-ms", type=float, default=0.0,
+                    help="with --null-model: each decode step takes this long on a simulated device that runs "
+                         "while the host goes on (as a GPU's does), so host and device overlap as on a GPU")
+    ap.add_argument("--device-prefill-ms", type=float, default=None,
+                    help="with --null-model: each prefill call takes this long (the slots' state set, no model)")
     ap.add_argument("--null-model", action="store_true",
                     help="decode steps that cost nothing (the same token every step): the host path's own rate")
     ap.add_argument("--clients", type=int, default=64)
@@ -151,6 +260,8 @@ def main() -> None:
                     help="uvicorn's HTTP parser (auto: httptools when installed, as archlab serve)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if (args.device_step_ms or args.device_prefill_ms is not None) and not args.null_model:
+        ap.error("--device-step-ms and --device-prefill-ms simulate the device of --null-model; add --null-model")
     import uvicorn
 
     if args.tokenizer is None and args.preset != "tiny":
@@ -170,6 +281,18 @@ def main() -> None:
     t = time.perf_counter()
     engine.warm_up(buckets=(16,), batch_sizes=engine.group_sizes())
     print(json.dumps({"warm_up_s": time.perf_counter() - t}), flush=True)
+    # The engine's own rate at every slot, in this process, before any request (as `archlab
+    # bench decode --batches SLOTS` times it: sampled steps, tokens read back): the server's
+    # aggregate is quoted against it.
+    # With --null-model, the simulated device's rate (if any) stands in.
+    if not args.null_model:
+        alone = engine_rate(engine)
+    elif args.device_step_ms:
+        alone = {"slots": engine.slots, "ms_per_step": args.device_step_ms,
+                 "tokens_per_s": round(engine.slots / (args.device_step_ms / 1e3))}
+    else:
+        alone = None
+    print(json.dumps({"engine_alone": alone}), flush=True)
     if args.null_model:
         # The host path alone: every decode step returns the same token at no model cost, so the
         # rate is what scheduling, detokenising and the server-sent events allow.
@@ -184,6 +307,10 @@ def main() -> None:
             return engine.tokens
 
         engine.step = null_step  # type: ignore[method-assign]
+    if args.device_step_ms:
+        simulate_device(engine, args.device_step_ms / 1e3)
+    if args.device_prefill_ms is not None:
+        simulate_prefill(engine, token, args.device_prefill_ms / 1e3)
     if args.step_delay:
         step = engine.step
 
@@ -192,7 +319,9 @@ def main() -> None:
             return step(*args_, **kwargs)
 
         engine.step = slow_step  # type: ignore[method-assign]
-    loop = EngineLoop(engine, pipelined=not args.no_pipeline).start()
+    loop = EngineLoop(engine, pipelined=not args.no_pipeline)
+    launches = record_steps(loop.scheduler)
+    loop.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -207,7 +336,11 @@ def main() -> None:
     rows = []
     for clients in (1, args.clients):
         loop.scheduler.reset_stats()
+        launches.clear()
         r = run_clients(url, clients, args.max_tokens, args.clients_in_process)
+        r["steady_ms_per_step"] = round(1e3 * steady_interval(launches), 3)
+        if alone is not None:
+            r["of_engine_alone"] = round(r["tokens_per_s"] / alone["tokens_per_s"], 4)
         sc = loop.scheduler
         r.update(decode_steps=sc.decode_steps, mean_active_slots=round(sc.mean_active, 2),
                  wall_ms_per_step=round(1e3 * r["wall_s"] / max(1, sc.decode_steps), 3),
