@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The server's figures on a lent GPU machine, in one device call (docs/benchmarks.md):
+#
+#   bash benchmarks/device_serve.sh TOKENIZER_JSON
+#
+# 1. The host path alone on this machine's CPU: the null model against a simulated device with
+#    the GPU's timings (a 0.737 ms decode step at 64 slots, 1.5 ms per prefill call), three times.
+#    Set beside the same run on another machine, it says whether the host or the GPU sets the rate.
+# 2. The real server on the GPU (124m, random weights, bf16), 64 streaming clients from another
+#    process, with the engine's own rate at 64 slots measured in the same process first.
+# 3. The same once more under py-spy (non-blocking, 250 Hz), its raw stacks in $OUT/serve.raw.
+# FastAPI and uvicorn (and py-spy) come from wheels carried in .gpu/wheels when the image lacks them.
+set -uo pipefail
+tok=${1:?tokenizer.json}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+for mod in fastapi uvicorn httpx; do
+    python3 -c "import $mod" 2>/dev/null || pip install -q --no-index --find-links .gpu/wheels "$mod" || exit 3
+done
+command -v py-spy >/dev/null || pip install -q --no-index --find-links .gpu/wheels py-spy
+lscpu | grep -m1 "Model name"
+for i in 1 2 3; do
+    timeout 60 python3 benchmarks/serve_load.py --device cpu --preset tiny --tokenizer "$tok" --clients 64 \
+        --max-tokens 256 --null-model --device-step-ms 0.737 --device-prefill-ms 1.5 | tail -2 | head -1
+done
+timeout 240 python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 256 \
+    --json "$OUT/serve.json"
+if command -v py-spy >/dev/null; then
+    timeout 150 py-spy record --nonblocking --threads -r 250 -f raw -o "$OUT/serve.raw" -- \
+        python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 1024 | tail -2
+fi
