@@ -55,16 +55,24 @@ def token_count(text: str) -> int:
     return count
 
 
-def archlab(*args: str, log: Path) -> None:
-    """``archlab ARGS`` in a fresh process (its own CUDA context, freed after), output to ``log``."""
+def start_archlab(*args: str, log: Path) -> tuple[subprocess.Popen, Path]:
+    """``archlab ARGS`` started in a fresh process (its own CUDA context, freed after), output to
+    ``log``; :func:`wait` collects it."""
     cmd = [sys.executable, "-m", "archlab.cli", *args]
     print("$ archlab " + " ".join(args), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as f:
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"archlab {args[0]} failed ({done.returncode}); the end of {log}:\n"
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), log
+
+
+def wait(proc: subprocess.Popen, log: Path) -> None:
+    if proc.wait() != 0:
+        raise SystemExit(f"archlab {proc.args[3]} failed ({proc.returncode}); the end of {log}:\n"
                          + "".join(log.read_text().splitlines(keepends=True)[-20:]))
+
+
+def archlab(*args: str, log: Path) -> None:
+    wait(*start_archlab(*args, log=log))
 
 
 def zero_shot(model_dir: Path, tasks: list[str], limit: int | None, device: str, batch_size: int) -> dict:
@@ -149,6 +157,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--eval-batch", type=int_at_least(1), default=32)
     ap.add_argument("--compile", action="store_true", help="train with torch.compile")
+    ap.add_argument("--parallel", type=int_at_least(1), default=1,
+                    help="train up to N runs at once, each in its own process (a small model leaves a GPU "
+                         "mostly idle; default 1); they are scored one after another")
     args = ap.parse_args()
     os.environ["ARCHLAB_TASK_DIR"] = str(Path(args.task_dir).resolve())
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -173,11 +184,31 @@ def main() -> None:
         archlab("convert", "--to", "delta-mhar", "--ckpt", str(starts["control"]), "--out", str(starts["delta-mhar"]),
                 "--heads", str(args.heads), "--overwrite", log=out / "convert.log")
 
-    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "steps": steps,
+    # An earlier call's results.json with the same settings is resumed: what it holds is not run
+    # again (a device call that ran out of time loses nothing it finished).
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "parallel")}
+    results: dict = {"args": settings, "steps": steps,
                      "tokens_per_run": steps * args.batch * args.seq, "before": {}, "after": {}}
+    saved = out / "results.json"
+    if saved.exists():
+        earlier = json.loads(saved.read_text())
+        if earlier.get("args") == settings and earlier.get("steps") == steps:
+            results = earlier
+            print(f"resuming {saved}: {len(results['before'])} model(s) scored before training, "
+                  f"{sum(len(v) for v in results['after'].values())} run(s) trained and scored", flush=True)
+        else:
+            raise SystemExit(f"{saved} holds results of other settings; choose another --out")
+
+    def save() -> None:
+        tmp = saved.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(saved)
+
     for arm, start in starts.items():
-        print(f"zero-shot before training: {arm}", flush=True)
-        results["before"][arm] = zero_shot(start, tasks, limit, args.device, args.eval_batch)
+        if arm not in results["before"]:
+            print(f"zero-shot before training: {arm}", flush=True)
+            results["before"][arm] = zero_shot(start, tasks, limit, args.device, args.eval_batch)
+            save()
     same = {t: results["before"]["control"][t].get("acc") == results["before"]["delta-mhar"][t].get("acc")
             for t in tasks}
     ll_gap = max(abs(a - b) for t in tasks
@@ -187,25 +218,34 @@ def main() -> None:
     print(f"conversion: accuracy equal on {sum(same.values())} of {len(tasks)} tasks; largest per-item "
           f"log-likelihood difference {ll_gap:.2e}", flush=True)
 
-    for seed in seeds:
-        for arm, start in starts.items():
+    todo = [(seed, arm) for seed in seeds for arm in starts if str(seed) not in results["after"].get(arm, {})]
+    for i in range(0, len(todo), args.parallel):
+        group = todo[i:i + args.parallel]
+        w = time.perf_counter()
+        procs = []
+        for seed, arm in group:
             run = out / f"{arm}-s{seed}"
             sets = {"train.steps": steps, "train.batch_size": args.batch, "train.seq_len": args.seq,
                     "train.lr": args.lr, "train.warmup_frac": args.warmup_frac, "train.seed": seed,
                     "data.seed": seed, "data.path": str(Path(args.data).resolve()), "train.device": args.device,
                     "train.compile": str(args.compile).lower(), "train.eval_every": max(1, steps // 4),
-                    "train.ckpt_every": steps, "train.keep_ckpts": 1,
+                    "train.ckpt_every": max(1, steps // 4), "train.keep_ckpts": 1,
                     "train.final_eval_tokens": args.final_eval_tokens}
-            argv = ["train", "--init-from", str(start), "--out", str(run)]
+            argv = ["train", "--init-from", str(starts[arm]), "--out", str(run)]
             for key, value in sets.items():
                 argv += ["--set", f"{key}={value}"]
-            w = time.perf_counter()
-            archlab(*argv, log=out / f"train-{arm}-s{seed}.log")
-            print(f"trained {arm} seed {seed} in {time.perf_counter() - w:.0f} s", flush=True)
+            procs.append(start_archlab(*argv, log=out / f"train-{arm}-s{seed}.log"))
+        for proc in procs:
+            wait(*proc)
+        train_s = time.perf_counter() - w
+        print(f"trained {', '.join(f'{arm} seed {seed}' for seed, arm in group)} in {train_s:.0f} s "
+              f"({len(group)} at once)", flush=True)
+        for seed, arm in group:
+            run = out / f"{arm}-s{seed}"
             scores = zero_shot(run, tasks, limit, args.device, args.eval_batch)
             results["after"].setdefault(arm, {})[str(seed)] = {"scores": scores, "val_loss": final_val_loss(run),
-                                                               "train_s": time.perf_counter() - w}
-            (out / "results.json").write_text(json.dumps(results, indent=1))
+                                                               "train_s": train_s, "trained_at_once": len(group)}
+            save()
 
     print(f"\n{steps} steps of {args.batch} x {args.seq} tokens per run ({results['tokens_per_run']:,} tokens), "
           f"seeds {seeds}, {limit or 'all'} items per task; {time.perf_counter() - t0:.0f} s in all\n")
@@ -225,7 +265,7 @@ def main() -> None:
           and results["after"]["control"][str(s)]["val_loss"] is not None]
     print("| delta - control, paired | " + " | ".join(mean_sd(d) for d in diffs)
           + f" | {mean_sd(dl) if dl else '-'} |")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    save()
 
 
 if __name__ == "__main__":
