@@ -14,9 +14,9 @@ set -uo pipefail
 tok=${1:?tokenizer.json}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 for mod in fastapi uvicorn httpx; do
-    python3 -c "import $mod" 2>/dev/null || pip install -q --no-index --find-links .gpu/wheels "$mod" || exit 3
+    python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --find-links .gpu/wheels "$mod" || exit 3
 done
-command -v py-spy >/dev/null || pip install -q --no-index --find-links .gpu/wheels py-spy
+command -v py-spy >/dev/null || python3 -m pip install -q --no-index --find-links .gpu/wheels py-spy
 lscpu | grep -m1 "Model name"
 for i in 1 2 3; do
     timeout 60 python3 benchmarks/serve_load.py --device cpu --preset tiny --tokenizer "$tok" --clients 64 \
@@ -26,5 +26,5 @@ timeout 240 python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --
     --json "$OUT/serve.json"
 if command -v py-spy >/dev/null; then
     timeout 150 py-spy record --nonblocking --threads -r 250 -f raw -o "$OUT/serve.raw" -- \
-        python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 1024 | tail -2
+        python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 960 | tail -2
 fi

@@ -275,6 +275,11 @@ def main() -> None:
         cfg = tiny_model_cfg(vocab_size=tok.get_vocab_size(), max_seq_len=max(64, 2 * args.max_tokens))
     else:
         cfg = make_config(args.preset, overrides=[f"model.vocab_size={tok.get_vocab_size()}"]).model
+    # the longest prompt the clients send ("Once upon a time N"), in this tokenizer's tokens
+    longest_prompt = len(tok.encode(f"Once upon a time {args.clients - 1}").ids)
+    if longest_prompt + args.max_tokens > cfg.max_seq_len:
+        ap.error(f"--max-tokens {args.max_tokens}: the prompts' {longest_prompt} tokens and the completion do "
+                 f"not fit the model's context of {cfg.max_seq_len}; at most {cfg.max_seq_len - longest_prompt}")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(cfg).to(args.device, dtype).eval()
     engine = Engine(model, slots=args.clients)
@@ -350,6 +355,13 @@ def main() -> None:
                  max_admit_wait_s=round(sc.max_admit_wait, 4), max_prefill_s=round(sc.max_prefill_s, 4))
         rows.append(r)
         print(json.dumps(r), flush=True)
+    failed = [r for r in rows if not r["completed"]]
+    if failed:
+        print(f"error: no request of the {failed[0]['clients']}-client load completed "
+              f"(first error: {failed[0]['errors'][0] if failed[0]['errors'] else 'none recorded'})", file=sys.stderr)
+        server.should_exit = True
+        loop.stop()
+        os._exit(1)
     print(f"aggregate: {rows[1]['tokens_per_s']:.0f} tokens/s with {args.clients} clients vs "
           f"{rows[0]['tokens_per_s']:.0f} with one ({rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.1f}x); "
           f"lost {rows[1]['lost']}; {rows[1]['mean_active_slots']:.1f} active slots per decode step on average "
