@@ -23,7 +23,8 @@ from tests.lab.lab_fakes import SUITE_YAML, fake_costs, write_suite
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-@pytest.mark.parametrize("suite", ["lengths-20m", "layer-dropout-20m", "two-hop", "decode-compute", "diffusion"])
+@pytest.mark.parametrize("suite", ["lengths-20m", "layer-dropout-20m", "two-hop", "decode-compute", "diffusion",
+                                   "downstream-70m"])
 def test_recorded_suites_find_their_finished_runs(tmp_path: Path, suite: str) -> None:
     copy = tmp_path / "results.sqlite"  # opening a store may upgrade its schema: not the committed file
     shutil.copyfile(RESULTS / suite / "results.sqlite", copy)
