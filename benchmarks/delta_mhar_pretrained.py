@@ -209,6 +209,18 @@ def main() -> None:
             print(f"zero-shot before training: {arm}", flush=True)
             results["before"][arm] = zero_shot(start, tasks, limit, args.device, args.eval_batch)
             save()
+    # the starting weights' loss on the runs' final sample (the first validation windows at the
+    # runs' batch size and length), in float32: the "before" of the validation-loss column
+    per_batch = args.batch * args.seq
+    for arm, start in starts.items():
+        if arm not in results.setdefault("before_val_loss", {}):
+            from archlab.eval.corpus import evaluate_checkpoint_on
+
+            score = evaluate_checkpoint_on(args.data, start, batches=-(-args.final_eval_tokens // per_batch),
+                                           batch_size=args.batch, seq_len=args.seq, device=args.device)
+            results["before_val_loss"][arm] = score["loss"]
+            save()
+            _free(args.device)
     same = {t: results["before"]["control"][t].get("acc") == results["before"]["delta-mhar"][t].get("acc")
             for t in tasks}
     ll_gap = max(abs(a - b) for t in tasks
@@ -252,7 +264,8 @@ def main() -> None:
     print("| model | " + " | ".join(tasks) + " | val loss |")
     print("|---|" + "---|" * (len(tasks) + 1))
     for arm in starts:
-        print(f"| {arm}, before | " + " | ".join(f"{headline(results['before'][arm], t):.3f}" for t in tasks) + " | |")
+        print(f"| {arm}, before | " + " | ".join(f"{headline(results['before'][arm], t):.3f}" for t in tasks)
+              + f" | {results['before_val_loss'][arm]:.4f} (fp32) |")
     for arm in starts:
         runs = results["after"][arm]
         cells = [mean_sd([headline(runs[str(s)]["scores"], t) for s in seeds]) for t in tasks]
