@@ -37,7 +37,13 @@ fi
 seconds=${1:?seconds}; shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
 mkdir -p /tmp/smol "$OUT/dmhar"
-for d in .smol1 .smol2 .smol3; do [ -d "$d" ] && cp -rn "$d"/. /tmp/smol/; done
+# what an earlier call brought stays; only files not there yet are copied
+for d in .smol1 .smol2 .smol3; do
+    [ -d "$d" ] || continue
+    (cd "$d" && find . -type f) | while read -r f; do
+        [ -e "/tmp/smol/$f" ] || { mkdir -p "/tmp/smol/$(dirname "$f")" && cp "$d/$f" "/tmp/smol/$f"; }
+    done
+done
 ls /tmp/smol
 if [ ! -f /tmp/smol/model.gguf ]; then
     for i in 1 2 3; do [ -f /tmp/smol/gguf.part$i ] || { echo "gguf piece $i not here yet"; exit 0; }; done
