@@ -8,7 +8,8 @@ through the lm-evaluation-harness plugin.
 1. ``archlab convert --to delta-mhar --heads H`` of ``--ckpt`` (an imported model: ``archlab
    import-hf``). The conversion computes exactly the checkpoint's function, so its scores before
    training must equal the control's item for item: the script checks that (per-task accuracy
-   equal and the mean absolute difference of the per-item log-likelihoods printed).
+   equal and the largest difference of the per-item log-likelihoods printed), and both starting
+   points' validation loss on the runs' final sample.
 2. For each seed, both arms trained from their starting weights with ``archlab train
    --init-from``: the same data order (``data.seed`` = the seed), the same schedule (warm-up
    ``--warmup-frac`` of the steps, cosine to 0.1x), the same optimizer and learning rate. A seed
@@ -17,6 +18,10 @@ through the lm-evaluation-harness plugin.
    model and archlab's task configs: the same numbers ``archlab lm-eval`` prints), the final
    validation loss of each run, and per arm the mean and spread over seeds; the effect of the
    conversion is the paired difference (delta minus control) per seed.
+
+``--parallel N`` trains N runs at once (each in its own process). ``OUT/results.json`` is
+written after every model scored; a later call with the same settings resumes from it (and
+an interrupted run from its checkpoint), so the work can span several device calls.
 
 Prints a Markdown table and writes ``OUT/results.json`` (every score of every model). ``--steps``
 or ``--tokens`` sizes the runs; on CPU, ``--steps 2 --batch 2 --seq 128 --limit 8
@@ -247,8 +252,13 @@ def main() -> None:
             for key, value in sets.items():
                 argv += ["--set", f"{key}={value}"]
             procs.append(start_archlab(*argv, log=out / f"train-{arm}-s{seed}.log"))
-        for proc in procs:
-            wait(*proc)
+        try:
+            for proc in procs:
+                wait(*proc)
+        finally:  # one run failed: stop its companions rather than leave them training
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    proc.terminate()
         train_s = time.perf_counter() - w
         print(f"trained {', '.join(f'{arm} seed {seed}' for seed, arm in group)} in {train_s:.0f} s "
               f"({len(group)} at once)", flush=True)
