@@ -174,6 +174,20 @@ def steady_interval(times: list[float]) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def interval_spread(times: list[float]) -> dict[str, float]:
+    """How the gaps between steps spread over the whole load (ms): the mean beside the median
+    (a median hides stalls), the 99th percentile, and the share of the load's time spent in
+    gaps longer than twice the steady interval."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if len(gaps) < 2:
+        return {}
+    steady = steady_interval(times)
+    long = sum(g for g in gaps if g > 2 * steady)
+    return {"mean_gap_ms": round(1e3 * statistics.fmean(gaps), 3),
+            "p99_gap_ms": round(1e3 * statistics.quantiles(gaps, n=100)[98], 3),
+            "long_gap_share": round(long / sum(gaps), 3)}
+
+
 class SimulatedStep:
     """A launched step on the simulated device: its tokens can be read once its time is up."""
 
@@ -344,6 +358,7 @@ def main() -> None:
         launches.clear()
         r = run_clients(url, clients, args.max_tokens, args.clients_in_process)
         r["steady_ms_per_step"] = round(1e3 * steady_interval(launches), 3)
+        r.update(interval_spread(launches))
         if alone is not None:
             r["of_engine_alone"] = round(r["tokens_per_s"] / alone["tokens_per_s"], 4)
         sc = loop.scheduler
