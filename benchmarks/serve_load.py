@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from archlab.config import make_config  # noqa: E402
 from archlab.data.tokenizer import EOS_TOKEN, load_tokenizer  # noqa: E402
-from archlab.infer.engine import Engine, _group_sizes  # noqa: E402
+from archlab.infer import engine as engine_module  # noqa: E402
+from archlab.infer.engine import Engine  # noqa: E402
 from archlab.infer.server import EngineLoop, create_app  # noqa: E402
 from archlab.model import build_model  # noqa: E402
 
@@ -65,8 +66,10 @@ async def one_stream(client, url: str, prompt: str, max_tokens: int, seed: int) 
                 events += 1
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+    # perf_counter is the system's monotonic clock on Linux: the server's process reads the same one
     return {"ttft_s": first, "tokens": tokens, "finish": finish, "events": events,
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "started_at": t0, "first_at": t0 + (first or 0.0),
+            "ended_at": time.perf_counter()}
 
 
 def clean_token(tok) -> int:
@@ -112,7 +115,8 @@ async def load(url: str, clients: int, max_tokens: int) -> dict:
             "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "ttft_median_s": statistics.median(r["ttft_s"] for r in ok) if ok else None,
-            "events_median": statistics.median(r["events"] for r in ok) if ok else None}
+            "events_median": statistics.median(r["events"] for r in ok) if ok else None,
+            "load_started_at": t0, "streams": ok}
 
 
 def _clients_process(url: str, clients: int, max_tokens: int, out) -> None:
@@ -164,6 +168,56 @@ def record_steps(scheduler) -> list[float]:
 
     scheduler._count_step = recorded
     return times
+
+
+def count_calls(obj, name: str) -> list[float]:
+    """The host times of every call of ``obj.name`` (appended as they start)."""
+    times: list[float] = []
+    fn = getattr(obj, name)
+
+    def counted(*args_, **kwargs):
+        times.append(time.perf_counter())
+        return fn(*args_, **kwargs)
+
+    setattr(obj, name, counted)
+    return times
+
+
+def record_requests(loop: EngineLoop) -> list:
+    """The requests ``loop`` is given, appended as they are submitted (each keeps the host times
+    of its submission and of its first token)."""
+    seen: list = []
+    submit = loop.submit
+
+    def recorded(request, *args_, **kwargs):
+        seen.append(request)
+        return submit(request, *args_, **kwargs)
+
+    loop.submit = recorded  # type: ignore[method-assign]
+    return seen
+
+
+def timeline(load: dict, requests: list, steps: list[float]) -> dict[str, float]:
+    """Where a load's wall time goes, in ms from its start (the clients' process starts its
+    streams then) to the median (p50) and last (max) stream: the requests reaching the engine
+    (parsed, tokenised and submitted), the engine's first token for each (``admit_ms``: from its
+    submission), the first token at the client, the first and last decode step, and the streams'
+    ends; ``tail_ms`` is how long the last stream ended after the last step (the event loop's
+    backlog)."""
+    t0, streams = load["load_started_at"], load["streams"]
+    if not streams or not requests or not steps:
+        return {}
+
+    def p50_max(values: list[float], name: str) -> dict[str, float]:
+        return {f"{name}_p50_ms": round(1e3 * statistics.median(values), 1), f"{name}_max_ms": round(1e3 * max(values), 1)}
+
+    out = {**p50_max([r.submitted - t0 for r in requests], "submitted"),
+           **p50_max([r.first_token_at - r.submitted for r in requests if r.first_token_at], "admit"),
+           **p50_max([s["first_at"] - t0 for s in streams], "client_first"),
+           "first_step_ms": round(1e3 * (steps[0] - t0), 1), "last_step_ms": round(1e3 * (steps[-1] - t0), 1),
+           **p50_max([s["ended_at"] - t0 for s in streams], "ended")}
+    out["tail_ms"] = round(out["ended_max_ms"] - out["last_step_ms"], 1)
+    return out
 
 
 def steady_interval(times: list[float]) -> float:
@@ -230,20 +284,17 @@ def simulate_device(engine: Engine, step_s: float) -> None:
 def simulate_prefill(engine: Engine, token: int, call_s: float) -> None:
     """Prefill calls that set the slots' state as the engine's do (sampling parameters, first
     token, positions) and take ``call_s`` each instead of running the model; a batch is still
-    split into the engine's groups, one call per group."""
-    def prefill(rows: list[int], prompts: list[list[int]], params) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(prompts)
-        if _group_sizes(n) != [n]:
-            return engine._prefill_in_groups(rows, prompts, params)
-        index = torch.tensor(rows, device=engine.device)
-        engine._set_params(index, params)
-        first = torch.full((n,), token, dtype=torch.long, device=engine.device)
-        engine.tokens[index] = first
-        engine.positions[index] = torch.tensor([len(p) for p in prompts], device=engine.device)
+    split into the engine's groups (``engine._group_plan``), one call per group."""
+    def prefill_group(rows: list[int], prompts: list[list[int]], params, real: int):
+        index = torch.tensor(rows[:real], device=engine.device)
+        engine._set_params(index, params[:real])
+        first = torch.full((len(rows),), token, dtype=torch.long, device=engine.device)
+        engine.tokens[index] = first[:real]
+        engine.positions[index] = torch.tensor([len(p) for p in prompts[:real]], device=engine.device)
         time.sleep(call_s)
-        return first, torch.zeros(n, engine.vocab, device=engine.device)
+        return first, torch.zeros(len(rows), engine.vocab, device=engine.device)
 
-    engine.prefill = prefill  # type: ignore[method-assign]
+    engine._prefill_group = prefill_group  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -272,8 +323,16 @@ def main() -> None:
                     help="uvicorn's event loop (auto: uvloop when installed, as archlab serve)")
     ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
                     help="uvicorn's HTTP parser (auto: httptools when installed, as archlab serve)")
+    ap.add_argument("--no-pad-groups", action="store_true",
+                    help="admit a burst as groups of powers of eight without padding (the engine before the "
+                         "twenty-eighth session: 35 requests as 4 x 8 + 3 x 1 prefill calls, not one of 64)")
+    ap.add_argument("--repeats", type=int, default=1, help="run the N-client load this many times")
+    ap.add_argument("--compare-pad", action="store_true",
+                    help="each repeat runs the N-client load twice, padded and unpadded admission in turn")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if (args.device_step_ms or args.device_prefill_ms is not None) and not args.null_model:
         ap.error("--device-step-ms and --device-prefill-ms simulate the device of --null-model; add --null-model")
     import uvicorn
@@ -340,6 +399,7 @@ def main() -> None:
         engine.step = slow_step  # type: ignore[method-assign]
     loop = EngineLoop(engine, pipelined=not args.no_pipeline)
     launches = record_steps(loop.scheduler)
+    requests = record_requests(loop)
     loop.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -353,10 +413,22 @@ def main() -> None:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/completions"
     rows = []
-    for clients in (1, args.clients):
+    calls = count_calls(engine, "_prefill_group")
+    # The 1-client load, then the N-client one (``--repeats`` times; with ``--compare-pad`` the
+    # padded and unpadded admissions alternate, in this one server: the same process and warm-up)
+    loads = [(1, True)] + [(args.clients, not (args.compare_pad and i % 2))
+                           for i in range(args.repeats * (2 if args.compare_pad else 1))]
+    for clients, pad in loads:
+        engine_module.PAD_PREFILL_GROUPS = pad and not args.no_pad_groups
         loop.scheduler.reset_stats()
         launches.clear()
+        requests.clear()
+        calls.clear()
         r = run_clients(url, clients, args.max_tokens, args.clients_in_process)
+        r["pad_groups"] = engine_module.PAD_PREFILL_GROUPS
+        r["prefill_calls"] = len(calls)
+        r.update(timeline(r, requests, launches))
+        del r["streams"], r["load_started_at"]
         r["steady_ms_per_step"] = round(1e3 * steady_interval(launches), 3)
         r.update(interval_spread(launches))
         if alone is not None:
@@ -377,10 +449,12 @@ def main() -> None:
         server.should_exit = True
         loop.stop()
         os._exit(1)
-    print(f"aggregate: {rows[1]['tokens_per_s']:.0f} tokens/s with {args.clients} clients vs "
-          f"{rows[0]['tokens_per_s']:.0f} with one ({rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.1f}x); "
-          f"lost {rows[1]['lost']}; {rows[1]['mean_active_slots']:.1f} active slots per decode step on average "
-          f"(most {rows[1]['max_active_slots']} of {args.clients})")
+    for r in rows[1:]:
+        print(f"aggregate: {r['tokens_per_s']:.0f} tokens/s with {args.clients} clients vs "
+              f"{rows[0]['tokens_per_s']:.0f} with one ({r['tokens_per_s'] / rows[0]['tokens_per_s']:.1f}x); "
+              f"lost {r['lost']}; {r['mean_active_slots']:.1f} active slots per decode step on average "
+              f"(most {r['max_active_slots']} of {args.clients}); median TTFT {1e3 * (r['ttft_median_s'] or 0):.0f} ms; "
+              f"{r['prefill_calls']} prefill calls ({'padded' if r['pad_groups'] else 'unpadded'} groups)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

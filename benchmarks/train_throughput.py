@@ -91,7 +91,7 @@ def categorise(name: str) -> str:
     return "other"
 
 
-def profile_steps(run: Run, first_step: int, steps: int = 3) -> dict:
+def profile_steps(run: Run, first_step: int, steps: int = 3, top_n: int = 15) -> dict:
     """GPU time per kernel category over ``steps`` steps, and the GPU-busy share of the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,15 +111,15 @@ def profile_steps(run: Run, first_step: int, steps: int = 3) -> dict:
         if us <= 0:
             continue
         by_cat[categorise(evt.key)] = by_cat.get(categorise(evt.key), 0.0) + us / 1e3 / steps
-        top.append((us / 1e3 / steps, evt.key[:90]))
+        top.append((us / 1e3 / steps, evt.key[:120]))
     busy = sum(by_cat.values())
     return {"wall_ms_per_step_profiled": wall_ms, "gpu_busy_ms_per_step": busy,
             "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
-            "top_kernels_ms": sorted(top, reverse=True)[:15]}
+            "top_kernels_ms": sorted(top, reverse=True)[:top_n]}
 
 
 def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compile_: bool,
-            extra: list[str], profile: bool = False) -> dict:
+            extra: list[str], profile: bool = False, top_n: int = 15) -> dict:
     name, *mods = variant.split("/")
     if unknown := set(mods) - {"mb4", "graph", "fused"}:
         raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph, /fused")
@@ -160,7 +160,7 @@ def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compi
            "mfu": tok_s * flops / peak if peak else None, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
            "warmup_s": t_compile}
     if profile:
-        res["profile"] = profile_steps(run, warmup + steps)
+        res["profile"] = profile_steps(run, warmup + steps, top_n=top_n)
     del run
     return res
 
@@ -177,6 +177,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", action="append", default=[], metavar="VARIANT",
                     help="also profile this variant's step (repeatable)")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per profile (default 15)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("train_throughput: no CUDA device; nothing to measure")
@@ -190,7 +191,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             try:
                 r = measure(preset, variant, args.data, args.steps, args.warmup, not args.no_compile, args.extra,
-                            profile=variant in args.profile)
+                            profile=variant in args.profile, top_n=args.top)
             except Exception as e:  # report and go on: one variant failing must not hide the rest
                 r = {"preset": preset, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(r)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archlab.infer.engine import Engine, Request, Scheduler, bucket
+from archlab.infer.engine import Engine, Request, Scheduler, _group_plan, bucket
 from archlab.infer.sampling import SamplingParams, sample, token_keys, uniforms
 from archlab.model import build_model
 from tests.helpers import tiny_model_cfg
@@ -162,3 +162,53 @@ def test_bad_requests_are_refused_before_any_work():
         with pytest.raises(ValueError, match=match):
             sched.submit(Request([1] * 10, params))
     assert sched.idle
+
+
+@pytest.mark.parametrize("n, sizes, plan", [
+    (13, (1, 8), [(8, 8), (5, 8)]),
+    (64, (1, 8, 64), [(64, 64)]),
+    (35, (1, 8, 64), [(35, 64)]),
+    (20, (1, 8, 64), [(8, 8), (8, 8), (4, 8)]),
+    (3, (1, 8, 64), [(1, 1)] * 3),
+    (9, (1, 8), [(8, 8), (1, 1)]),
+    (6, (1,), [(1, 1)] * 6),
+    (130, (1, 8, 64), [(64, 64), (64, 64), (1, 1), (1, 1)]),
+])
+def test_group_plan_pads_a_remainder_of_half_a_group_or_more(n, sizes, plan):
+    assert _group_plan(n, sizes) == plan
+
+
+@pytest.mark.parametrize("sizes", [(1,), (1, 8), (1, 8, 64)])
+def test_group_plan_admits_every_request_in_captured_groups_at_most_doubled(sizes):
+    for n in range(1, 2 * sizes[-1] + 3):
+        plan = _group_plan(n, sizes)
+        assert sum(real for real, _ in plan) == n
+        assert all(size in sizes and size >= real and 2 * real >= size for real, size in plan), (n, plan)
+
+
+def test_padded_prefill_group_equals_each_prompt_alone_and_leaves_other_slots_alone():
+    """5 prompts admitted together run as one group of 8 (3 padding copies of the longest): each
+    prompt's first token, log-probabilities, position and counts are those of its own prefill,
+    slots outside the batch keep their state, and decoding on continues every slot as alone."""
+    torch.manual_seed(5)
+    model = build_model(tiny_model_cfg()).eval()
+    prompts = [torch.randint(1, 97, (n,)).tolist() for n in (4, 11, 2, 7, 9)]
+    params = [SamplingParams(max_new_tokens=4, temperature=0.8, seed=10 + i) for i in range(5)]
+    engine = Engine(model, slots=10)
+    engine.positions[9] = 33
+    engine.counts[9, 5] = 2.0
+    tok, logprobs = engine.prefill([3, 0, 7, 1, 5], prompts, params)
+    assert set(engine._prefills) == {(8, bucket(11, engine.max_len))}
+    assert int(engine.positions[9]) == 33 and float(engine.counts[9].sum()) == 2.0
+    for slot in (2, 4, 6, 8):
+        assert int(engine.positions[slot]) == 0 and float(engine.counts[slot].sum()) == 0.0
+    for i, (slot, p) in enumerate(zip([3, 0, 7, 1, 5], prompts)):
+        alone = Engine(model, slots=1)
+        t1, lp1 = alone.prefill([0], [p], [params[i]])
+        assert int(tok[i]) == int(t1[0]) == int(engine.tokens[slot])
+        torch.testing.assert_close(logprobs[i], lp1[0], atol=1e-5, rtol=1e-5)
+        assert int(engine.positions[slot]) == len(p)
+        assert float(engine.counts[slot].sum()) == 1.0 and float(engine.counts[slot, int(t1[0])]) == 1.0
+    together = engine.generate(prompts, params)
+    for i, p in enumerate(prompts):
+        assert together[i].tokens == Engine(model, slots=1).generate([p], params[i])[0].tokens

@@ -153,36 +153,50 @@ class Engine:
             if len(p) + sp.max_new_tokens - 1 > self.max_len:
                 raise ValueError(f"prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceed the "
                                  f"context of {self.max_len} tokens")
-        if _group_sizes(n) != [n]:
-            return self._prefill_in_groups(rows, prompts, params)
+        plan = _group_plan(n, self.group_sizes())
+        if plan != [(n, n)]:
+            return self._prefill_in_groups(rows, prompts, params, plan)
+        return self._prefill_group(rows, prompts, params, n)
+
+    def _prefill_group(self, rows: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                       real: int) -> tuple[Tensor, Tensor]:
+        """One prefill call of ``len(prompts)`` rows, of which the first ``real`` are requests and
+        the rest copies of the last of them (padding up to a captured group size): a copy runs
+        the same prompt into the same slot, and its token is replaced by its original's before
+        any state is written, so every write of a slot is the same value."""
+        n = len(prompts)
         t = bucket(max(len(p) for p in prompts), self.max_len)
         idx = torch.zeros(n, t, dtype=torch.long)
         for i, p in enumerate(prompts):
             idx[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        inputs = (idx, torch.tensor([len(p) for p in prompts]), torch.tensor(rows))
-        self._set_params(inputs[2].to(self.device), params)
+        source = torch.arange(n).clamp_(max=real - 1)
+        inputs = (idx, torch.tensor([len(p) for p in prompts]), torch.tensor(rows), source)
+        self._set_params(inputs[2][:real].to(self.device), params[:real])
         runner = self._prefills.get((n, t))
         if runner is None:
             runner = self._prefills[(n, t)] = _Prefill(self, n, t)
         return runner(*inputs)
 
-    def _prefill_in_groups(self, rows: list[int], prompts: list[list[int]],
-                           params: list[SamplingParams]) -> tuple[Tensor, Tensor]:
-        """A batch whose size is not a power of eight, as groups of powers of eight (13 = 8 + 5 x
-        1), shortest prompts first. Every prefill shape is compiled and captured once (about 10 s
-        each at 124m on an H200), so a server whose requests arrive in groups of any size compiles
-        at most log8(slots) + 1 shapes per length bucket instead of one per group size (measured:
-        64 streaming clients arriving at random were served one after another, each new group
-        size stalling on a compilation). Sorting by length keeps short prompts out of long
-        buckets."""
+    def _prefill_in_groups(self, rows: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                           plan: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        """A batch whose size is not a captured group size, in the groups of ``plan`` ((requests,
+        group size) pairs, ``_group_plan``), shortest prompts first. Every prefill shape is
+        compiled and captured once (about 10 s each at 124m on an H200), so a server whose
+        requests arrive in groups of any size compiles at most log8(slots) + 1 shapes per length
+        bucket instead of one per group size (measured: 64 streaming clients arriving at random
+        were served one after another, each new group size stalling on a compilation). Sorting by
+        length keeps short prompts out of long buckets, and a group's padding copies its longest
+        prompt, so padding never lengthens a bucket."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         toks, logprobs, start = [], [], 0
-        for size in _group_sizes(len(prompts)):
-            part = order[start:start + size]
-            start += size
-            tok, lp = self.prefill([rows[i] for i in part], [prompts[i] for i in part], [params[i] for i in part])
-            toks.append(tok.clone())  # the group's buffers are reused by the next prefill of its shape
-            logprobs.append(lp.clone())
+        for real, size in plan:
+            part = order[start:start + real]
+            start += real
+            part = part + [part[-1]] * (size - real)
+            tok, lp = self._prefill_group([rows[i] for i in part], [prompts[i] for i in part],
+                                          [params[i] for i in part], real)
+            toks.append(tok[:real].clone())  # the group's buffers are reused by the next prefill of its shape
+            logprobs.append(lp[:real].clone())
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
         back = back.to(self.device)
@@ -344,17 +358,31 @@ class StepTokens:
         return self.host.tolist()
 
 
-def _group_sizes(n: int) -> list[int]:
-    """``n`` as a sum of powers of eight, largest first: 13 -> [8, 1, 1, 1, 1, 1], 64 -> [64]."""
-    sizes, size = [], 1
-    while size * 8 <= n:
-        size *= 8
-    while n:
-        while size > n:
-            size //= 8
-        sizes.append(size)
-        n -= size
-    return sizes
+#: Whether a remainder of at least half a prefill group runs as one padded group
+#: (``_group_plan``); False only to measure what that saves (``benchmarks/serve_load.py``).
+PAD_PREFILL_GROUPS = True
+
+
+def _group_plan(n: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``n`` prompts admitted together as prefill calls of the captured group ``sizes`` (powers
+    of eight, ``Engine.group_sizes``): (requests, group size) per call, largest first.
+
+    A call costs about the same whatever its rows at a server's short prompts (124m on an H200:
+    about 1.5 ms per graph replay, launch-bound), so fewer calls admit a burst sooner: a
+    remainder of at least half a group runs as one group padded with copies (35 of 64 slots: one
+    call of 64 instead of 4 x 8 + 3 x 1), a smaller one as smaller groups (20: 8 + 8 + 4 padded
+    to 8). The padding at most doubles a call's rows, which bounds what it costs a long prompt,
+    whose prefill is compute-bound. 13 -> [(8, 8), (5, 8)], 64 -> [(64, 64)], 3 -> three of 1."""
+    plan: list[tuple[int, int]] = []
+    for i in range(len(sizes) - 1, -1, -1):
+        size = sizes[i]
+        while n >= size:
+            plan.append((size, size))
+            n -= size
+        if n and 2 * n >= size and PAD_PREFILL_GROUPS:
+            plan.append((n, size))
+            n = 0
+    return plan
 
 
 class _Prefill:
@@ -369,6 +397,7 @@ class _Prefill:
         self.idx = torch.zeros(n, t, dtype=torch.long, device=dev)
         self.lengths = torch.ones(n, dtype=torch.long, device=dev)
         self.rows = torch.zeros(n, dtype=torch.long, device=dev)
+        self.source = torch.arange(n, device=dev)  # row i's token is row source[i]'s (padding copies)
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(n, e.vocab, device=dev)
         self.fn = torch.compile(self._impl, dynamic=False) if e.compile_prefill else self._impl
@@ -386,14 +415,17 @@ class _Prefill:
     def _body(self) -> None:
         logprobs, tok = self.fn()
         e = self.engine
+        # A padding copy's token is its original's: a copy's logits can differ from its
+        # original's by rounding (another row of the same matmul), and both write the one slot.
+        tok = tok.index_select(0, self.source)
         self.logprobs.copy_(logprobs)
         self.tok.copy_(tok)
         e.tokens[self.rows] = tok
-        e.counts[self.rows, tok] += 1  # the rows are distinct: no two updates meet
+        e.counts[self.rows, tok] += 1  # padding copies write their original's same value
         e.positions[self.rows] = self.lengths
 
-    def __call__(self, idx: Tensor, lengths: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-        for buf, value in ((self.idx, idx), (self.lengths, lengths), (self.rows, rows)):
+    def __call__(self, idx: Tensor, lengths: Tensor, rows: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
+        for buf, value in ((self.idx, idx), (self.lengths, lengths), (self.rows, rows), (self.source, source)):
             buf.copy_(value, non_blocking=True)
         if not self.engine.cuda or not self.engine.compile_prefill:
             self._body()
