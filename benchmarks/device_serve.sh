@@ -4,11 +4,13 @@
 #   bash benchmarks/device_serve.sh TOKENIZER_JSON
 #
 # 1. The host path alone on this machine's CPU: the null model against a simulated device with
-#    the GPU's timings (a 0.737 ms decode step at 64 slots, 1.5 ms per prefill call), three times.
-#    Set beside the same run on another machine, it says whether the host or the GPU sets the rate.
+#    the GPU's timings (a 0.737 ms decode step at 64 slots, 1.5 ms per prefill call), six loads
+#    in one process, padded and unpadded prefill groups in turn (--compare-pad). Set beside the
+#    same run on another machine, it says whether the host or the GPU sets the rate.
 # 2. The real server on the GPU (124m, random weights, bf16), 64 streaming clients from another
-#    process, with the engine's own rate at 64 slots measured in the same process first.
-# 3. The same once more under py-spy (non-blocking, 250 Hz), its raw stacks in $OUT/serve.raw.
+#    process, with the engine's own rate at 64 slots measured in the same process first: six
+#    loads, padded and unpadded in turn, each with where its time went (serve_load's timeline).
+# 3. Two more loads under py-spy (non-blocking, 250 Hz), its raw stacks in $OUT/serve.raw.
 # FastAPI and uvicorn (and py-spy) come from wheels carried in .gpu/wheels when the image lacks them.
 set -uo pipefail
 tok=${1:?tokenizer.json}
@@ -18,13 +20,13 @@ for mod in fastapi uvicorn httpx; do
 done
 command -v py-spy >/dev/null || python3 -m pip install -q --no-index --find-links .gpu/wheels py-spy
 lscpu | grep -m1 "Model name"
-for i in 1 2 3; do
-    timeout 60 python3 benchmarks/serve_load.py --device cpu --preset tiny --tokenizer "$tok" --clients 64 \
-        --max-tokens 256 --null-model --device-step-ms 0.737 --device-prefill-ms 1.5 | tail -2 | head -1
-done
+timeout 90 python3 benchmarks/serve_load.py --device cpu --preset tiny --tokenizer "$tok" --clients 64 \
+    --max-tokens 256 --null-model --device-step-ms 0.737 --device-prefill-ms 1.5 --repeats 3 --compare-pad \
+    --json "$OUT/simulated.json" | grep -v '^{"clients": 1,'
 timeout 240 python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 256 \
-    --json "$OUT/serve.json"
+    --repeats 3 --compare-pad --json "$OUT/serve.json"
 if command -v py-spy >/dev/null; then
     timeout 150 py-spy record --nonblocking --threads -r 250 -f raw -o "$OUT/serve.raw" -- \
-        python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 960 | tail -2
+        python3 benchmarks/serve_load.py --tokenizer "$tok" --preset 124m --clients 64 --max-tokens 256 \
+        --repeats 2 | grep aggregate
 fi
