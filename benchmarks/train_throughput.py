@@ -10,7 +10,11 @@ otherwise (the eager reference routing). ``/graph`` replays the step as one CUDA
 (``train.cuda_graph``); suffixes combine (``attnres-triton/graph/mb4``). Warm-up must cover the
 graph's three ordinary steps and its capture, so use ``--warmup`` of at least 5 with ``/graph``.
 ``/fused`` computes the loss without keeping the logits (``train.fused_readout``:
-``kernels/linear_cross_entropy.py``); rows kinds with their own readout ignore it.
+``kernels/linear_cross_entropy.py``); rows kinds with their own readout ignore it. ``/cd`` turns on
+inductor's coordinate-descent tuning of the kernels it generates (as gpt-fast does), and
+``/autotune`` compiles with ``mode="max-autotune-no-cudagraphs"`` (inductor times Triton matmul
+templates, with fused epilogues, against cuBLAS per shape): both only while that variant is
+built and warmed up.
 
 ``zoo-NAME`` runs the shipped ``configs/zoo/NAME.yaml`` over the preset (``zoo-prism``,
 ``zoo-triplu``, ``zoo-variable_width``, ``zoo-gamma_init``, ``zoo-layerrope``, ...).
@@ -28,6 +32,7 @@ MFU uses the PaLM convention (``mfu_flops_per_token``) against the detected devi
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -121,8 +126,8 @@ def profile_steps(run: Run, first_step: int, steps: int = 3, top_n: int = 15) ->
 def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compile_: bool,
             extra: list[str], profile: bool = False, top_n: int = 15) -> dict:
     name, *mods = variant.split("/")
-    if unknown := set(mods) - {"mb4", "graph", "fused"}:
-        raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph, /fused")
+    if unknown := set(mods) - {"mb4", "graph", "fused", "cd", "autotune"}:
+        raise ValueError(f"unknown variant suffix {sorted(unknown)}; known: /mb4, /graph, /fused, /cd, /autotune")
     micro4 = "mb4" in mods
     overrides = [f"data.path={data}", "train.device=cuda", f"train.compile={str(compile_).lower()}",
                  *VARIANTS.get(name, []), *(["train.cuda_graph=true"] if "graph" in mods else []),
@@ -136,12 +141,21 @@ def measure(preset: str, variant: str, data: str, steps: int, warmup: int, compi
     gc.collect()  # the previous variant's run (and any CUDA graph pool it held) goes first
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    run = Run(cfg, out_dir="/tmp/unused")
-    t_compile = time.perf_counter()
-    for s in range(warmup):
-        run.train_step(s)
-    torch.cuda.synchronize()
-    t_compile = time.perf_counter() - t_compile
+    import torch._inductor.config as inductor_config
+
+    compile_fn, tuning = torch.compile, inductor_config.coordinate_descent_tuning
+    if "autotune" in mods:
+        torch.compile = functools.partial(compile_fn, mode="max-autotune-no-cudagraphs")
+    inductor_config.coordinate_descent_tuning = tuning or "cd" in mods
+    try:
+        run = Run(cfg, out_dir="/tmp/unused")
+        t_compile = time.perf_counter()
+        for s in range(warmup):
+            run.train_step(s)
+        torch.cuda.synchronize()
+        t_compile = time.perf_counter() - t_compile
+    finally:
+        torch.compile, inductor_config.coordinate_descent_tuning = compile_fn, tuning
     times = []
     for s in range(warmup, warmup + steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
