@@ -101,17 +101,33 @@ class ByteTokenizer:
         return None
 
 
-async def load(url: str, clients: int, max_tokens: int) -> dict:
+async def load(url: str, clients: int, max_tokens: int, first: int = 0, go=None, ready=None) -> dict:
+    """``clients`` concurrent streams (seeds and prompts ``first`` on); with ``go`` (an event of
+    another process), the client is made first, said ``ready``, and the streams start when
+    ``go`` is set."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
+        if go is not None:
+            ready.put(True)
+            await asyncio.to_thread(go.wait)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_stream(client, url, f"Once upon a time {i}", max_tokens, i)
-                                         for i in range(clients)), return_exceptions=True)
-        wall = time.perf_counter() - t0
+                                         for i in range(first, first + clients)), return_exceptions=True)
     ok = [r for r in results if isinstance(r, dict) and r["finish"] in ("length", "stop")]
+    return {"clients": clients, "errors": [repr(r) for r in results if not isinstance(r, dict)][:3],
+            "load_started_at": t0, "streams": ok}
+
+
+def summarise(parts: list[dict]) -> dict:
+    """One load's figures from its client processes' parts (their clocks are the same one): the
+    wall time from the first stream's start to the last one's end."""
+    ok = [st for part in parts for st in part["streams"]]
+    clients = sum(part["clients"] for part in parts)
+    t0 = min(part["load_started_at"] for part in parts)
+    wall = max((st["ended_at"] for st in ok), default=time.perf_counter()) - t0
     return {"clients": clients, "completed": len(ok), "lost": clients - len(ok),
-            "errors": [repr(r) for r in results if not isinstance(r, dict)][:3],
+            "errors": [e for part in parts for e in part["errors"]][:3],
             "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "ttft_median_s": statistics.median(r["ttft_s"] for r in ok) if ok else None,
@@ -119,24 +135,35 @@ async def load(url: str, clients: int, max_tokens: int) -> dict:
             "load_started_at": t0, "streams": ok}
 
 
-def _clients_process(url: str, clients: int, max_tokens: int, out) -> None:
-    out.put(asyncio.run(load(url, clients, max_tokens)))
+def _clients_process(url: str, clients: int, max_tokens: int, first: int, go, ready, out) -> None:
+    out.put(asyncio.run(load(url, clients, max_tokens, first, go, ready)))
 
 
-def run_clients(url: str, clients: int, max_tokens: int, in_process: bool) -> dict:
-    """The load, from a process of its own by default: 64 httpx streams parsing server-sent events
-    in the server's process would hold its GIL and be measured as the server's cost."""
+def run_clients(url: str, clients: int, max_tokens: int, in_process: bool, procs: int = 1) -> dict:
+    """The load, from ``procs`` processes of their own by default (64 httpx streams parsing
+    server-sent events in the server's process would hold its GIL and be measured as the
+    server's cost; one client process parsing them all can fall behind the server and be
+    measured as its cost too). Each process makes its client, then all start together."""
     if in_process:
-        return asyncio.run(load(url, clients, max_tokens))
+        return summarise([asyncio.run(load(url, clients, max_tokens))])
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_clients_process, args=(url, clients, max_tokens, out), daemon=True)
-    proc.start()
-    result = out.get()
-    proc.join()
-    return result
+    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = max(1, min(procs, clients))
+    sizes = [clients // procs + (i < clients % procs) for i in range(procs)]
+    starts = [sum(sizes[:i]) for i in range(procs)]
+    workers = [ctx.Process(target=_clients_process, args=(url, n, max_tokens, first, go, ready, out), daemon=True)
+               for n, first in zip(sizes, starts)]
+    for w in workers:
+        w.start()
+    for _ in workers:  # each has imported httpx and made its client
+        ready.get()
+    go.set()
+    parts = [out.get() for _ in workers]
+    for w in workers:
+        w.join()
+    return summarise(parts)
 
 
 def engine_rate(engine: Engine, steps: int = 200) -> dict:
@@ -197,13 +224,31 @@ def record_requests(loop: EngineLoop) -> list:
     return seen
 
 
-def timeline(load: dict, requests: list, steps: list[float]) -> dict[str, float]:
+def record_ends() -> list[float]:
+    """The host times at which the server ends its streams (``Choice.end``: the last piece is
+    made, its event is written next), appended as they come."""
+    from archlab.infer import streams
+
+    times: list[float] = []
+    end = streams.Choice.end
+
+    def recorded(self, outcome: str) -> None:
+        if not self.ending:
+            times.append(time.perf_counter())
+        return end(self, outcome)
+
+    streams.Choice.end = recorded  # type: ignore[method-assign]
+    return times
+
+
+def timeline(load: dict, requests: list, steps: list[float], ends: list[float]) -> dict[str, float]:
     """Where a load's wall time goes, in ms from its start (the clients' process starts its
     streams then) to the median (p50) and last (max) stream: the requests reaching the engine
     (parsed, tokenised and submitted), the engine's first token for each (``admit_ms``: from its
     submission), the first token at the client, the first and last decode step, and the streams'
-    ends; ``tail_ms`` is how long the last stream ended after the last step (the event loop's
-    backlog)."""
+    ends in the server and at the clients; ``tail_ms`` is how long the last stream ended at its
+    client after the last step, ``client_lag_ms`` how much of that the clients added after the
+    server's end (a load generator that falls behind)."""
     t0, streams = load["load_started_at"], load["streams"]
     if not streams or not requests or not steps:
         return {}
@@ -215,8 +260,10 @@ def timeline(load: dict, requests: list, steps: list[float]) -> dict[str, float]
            **p50_max([r.first_token_at - r.submitted for r in requests if r.first_token_at], "admit"),
            **p50_max([s["first_at"] - t0 for s in streams], "client_first"),
            "first_step_ms": round(1e3 * (steps[0] - t0), 1), "last_step_ms": round(1e3 * (steps[-1] - t0), 1),
+           **p50_max([e - t0 for e in ends] or [float("nan")], "server_ended"),
            **p50_max([s["ended_at"] - t0 for s in streams], "ended")}
     out["tail_ms"] = round(out["ended_max_ms"] - out["last_step_ms"], 1)
+    out["client_lag_ms"] = round(out["ended_max_ms"] - out["server_ended_max_ms"], 1)
     return out
 
 
@@ -326,6 +373,8 @@ def main() -> None:
     ap.add_argument("--no-pad-groups", action="store_true",
                     help="admit a burst as groups of powers of eight without padding (the engine before the "
                          "twenty-eighth session: 35 requests as 4 x 8 + 3 x 1 prefill calls, not one of 64)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="processes the N clients' streams are spread over (default 1)")
     ap.add_argument("--repeats", type=int, default=1, help="run the N-client load this many times")
     ap.add_argument("--compare-pad", action="store_true",
                     help="each repeat runs the N-client load twice, padded and unpadded admission in turn")
@@ -333,6 +382,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.client_procs < 1:
+        ap.error(f"--client-procs must be at least 1, got {args.client_procs}")
     if (args.device_step_ms or args.device_prefill_ms is not None) and not args.null_model:
         ap.error("--device-step-ms and --device-prefill-ms simulate the device of --null-model; add --null-model")
     import uvicorn
@@ -400,6 +451,7 @@ def main() -> None:
     loop = EngineLoop(engine, pipelined=not args.no_pipeline)
     launches = record_steps(loop.scheduler)
     requests = record_requests(loop)
+    ends = record_ends()
     loop.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -423,11 +475,13 @@ def main() -> None:
         loop.scheduler.reset_stats()
         launches.clear()
         requests.clear()
+        ends.clear()
         calls.clear()
-        r = run_clients(url, clients, args.max_tokens, args.clients_in_process)
+        r = run_clients(url, clients, args.max_tokens, args.clients_in_process, args.client_procs)
+        r["client_procs"] = 1 if args.clients_in_process else min(args.client_procs, clients)
         r["pad_groups"] = engine_module.PAD_PREFILL_GROUPS
         r["prefill_calls"] = len(calls)
-        r.update(timeline(r, requests, launches))
+        r.update(timeline(r, requests, launches, ends))
         del r["streams"], r["load_started_at"]
         r["steady_ms_per_step"] = round(1e3 * steady_interval(launches), 3)
         r.update(interval_spread(launches))
