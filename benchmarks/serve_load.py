@@ -467,8 +467,9 @@ def main() -> None:
     rows = []
     calls = count_calls(engine, "_prefill_group")
     # The 1-client load, then the N-client one (``--repeats`` times; with ``--compare-pad`` the
-    # padded and unpadded admissions alternate, in this one server: the same process and warm-up)
-    loads = [(1, True)] + [(args.clients, not (args.compare_pad and i % 2))
+    # padded and unpadded admissions in turn, in this one server (the same process and warm-up),
+    # ordered ABBA ABBA ... so that neither always runs first)
+    loads = [(1, True)] + [(args.clients, not args.compare_pad or i % 4 in (0, 3))
                            for i in range(args.repeats * (2 if args.compare_pad else 1))]
     for clients, pad in loads:
         engine_module.PAD_PREFILL_GROUPS = pad and not args.no_pad_groups
