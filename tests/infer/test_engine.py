@@ -10,6 +10,7 @@ import torch
 from archlab.infer.engine import Engine, Request, Scheduler, _group_plan, bucket
 from archlab.infer.sampling import SamplingParams, sample, token_keys, uniforms
 from archlab.model import build_model
+from archlab.model.config import ModelConfig
 from tests.helpers import tiny_model_cfg
 from tests.infer.test_generate import assert_matches_full_forward
 
@@ -186,12 +187,26 @@ def test_group_plan_admits_every_request_in_captured_groups_at_most_doubled(size
         assert all(size in sizes and size >= real and 2 * real >= size for real, size in plan), (n, plan)
 
 
-def test_padded_prefill_group_equals_each_prompt_alone_and_leaves_other_slots_alone():
+PADDED_MODELS = {  # kinds whose prefill writes more than one cache row or runs rows apart
+    "baseline": {},
+    "decode-branch": dict(branch={"enabled": True, "n_branches": 2}),
+    "hidden-decoding": dict(hidden_decoding={"enabled": True, "streams": 2}),
+    "moe": dict(ffn="moe", moe={"n_experts": 4, "top_k": 2}),
+    "looped": dict(n_layers=3, schedule="looped", looped={"prelude": 1, "loops": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_MODELS))
+def test_padded_prefill_group_equals_each_prompt_alone_and_leaves_other_slots_alone(name):
     """5 prompts admitted together run as one group of 8 (3 padding copies of the longest): each
     prompt's first token, log-probabilities, position and counts are those of its own prefill,
     slots outside the batch keep their state, and decoding on continues every slot as alone."""
     torch.manual_seed(5)
-    model = build_model(tiny_model_cfg()).eval()
+    tree = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    model = build_model(ModelConfig.from_dict({**tree, **PADDED_MODELS[name]}).validate()).eval()
+    with torch.no_grad():  # zero-initialised couplings and gates too, so each one's use is tested
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     prompts = [torch.randint(1, 97, (n,)).tolist() for n in (4, 11, 2, 7, 9)]
     params = [SamplingParams(max_new_tokens=4, temperature=0.8, seed=10 + i) for i in range(5)]
     engine = Engine(model, slots=10)
