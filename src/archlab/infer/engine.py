@@ -161,9 +161,10 @@ class Engine:
     def _prefill_group(self, rows: list[int], prompts: list[list[int]], params: list[SamplingParams],
                        real: int) -> tuple[Tensor, Tensor]:
         """One prefill call of ``len(prompts)`` rows, of which the first ``real`` are requests and
-        the rest copies of the last of them (padding up to a captured group size): a copy runs
+        the rest copies of the last of them (padding up to a captured group size). A copy runs
         the same prompt into the same slot, and its token is replaced by its original's before
-        any state is written, so every write of a slot is the same value."""
+        any state is written: the slot's token, position and counts are its original's, and the
+        keys and values both write are the same prompt's (equal up to rounding)."""
         n = len(prompts)
         t = bucket(max(len(p) for p in prompts), self.max_len)
         idx = torch.zeros(n, t, dtype=torch.long)
