@@ -212,7 +212,9 @@ def test_concurrent_streams_share_the_decode_batch(tiny_run):
     step: they run as one batch (the scheduler's counters: most and mean active slots per decode
     step), and no prefill shape is built while serving (on a GPU each new shape is a compilation
     of seconds that every waiting stream sits through: with 64 slots the warm-up used to skip the
-    group of 8 that a batch of 63 needs, and 64 streams got a median time to first token of 11 s)."""
+    group of 8 that a batch of 63 needs, and 64 streams got a median time to first token of 11 s).
+    A burst admitted together runs as groups padded to those sizes (63 requests: one group of 64),
+    and every stream's text is still what it gets alone."""
     import asyncio
 
     model, tok, eos, _ = load_for_inference(tiny_run, "cpu", "float32")
@@ -224,20 +226,39 @@ def test_concurrent_streams_share_the_decode_batch(tiny_run):
     async def one(client: httpx.AsyncClient, port: int, i: int) -> int:
         body = {"model": "tiny", "prompt": f"def f{i}(", "max_tokens": 24, "temperature": 0.9, "seed": i,
                 "stream": True, "stream_options": {"include_usage": True}}
-        n = 0
+        n, text = 0, []
         async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and json.loads(line[6:]).get("usage"):
-                    n = json.loads(line[6:])["usage"]["completion_tokens"]
-        return n
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                text += [c["text"] for c in chunk["choices"]]
+                if chunk.get("usage"):
+                    n = chunk["usage"]["completion_tokens"]
+        return n, "".join(text)
 
-    async def all_of_them(port: int) -> list[int]:
+    async def all_of_them(port: int) -> list[tuple[int, str]]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=70)) as client:
             return await asyncio.gather(*(one(client, port, i) for i in range(64)))
 
+    groups = []  # (requests, group size) of every prefill call: bursts are padded to a captured size
+    prefill_group = engine._prefill_group
+
+    def recorded(rows, prompts, params, real):
+        groups.append((real, len(rows)))
+        return prefill_group(rows, prompts, params, real)
+
+    engine._prefill_group = recorded
     with running_server(engine, tok, None) as (loop, port):
         loop.scheduler.reset_stats()
-        assert asyncio.run(all_of_them(port)) == [24] * 64
+        got = asyncio.run(all_of_them(port))
+        assert [n for n, _ in got] == [24] * 64
+        # each stream's text is what it gets alone, however its burst was grouped
+        for i, (_, text) in enumerate(got):
+            alone = Engine(model, slots=1).generate([tok.encode(f"def f{i}(").ids],
+                                                    SamplingParams(max_new_tokens=24, temperature=0.9, seed=i))
+            assert text == tok.decode(alone[0].tokens), (i, groups)
+        assert sum(real for real, _ in groups) == 64 and all(size in (1, 8, 64) for _, size in groups), groups
         sched = loop.scheduler
         assert sched.admitted == 64 and sched.max_active >= 48, (sched.max_active, sched.prefills)
         assert sched.mean_active >= 16, (sched.mean_active, sched.decode_steps, sched.prefills)
