@@ -44,6 +44,7 @@ from archlab.config import make_config  # noqa: E402
 from archlab.data.tokenizer import EOS_TOKEN, load_tokenizer  # noqa: E402
 from archlab.infer import engine as engine_module  # noqa: E402
 from archlab.infer.engine import Engine  # noqa: E402
+from archlab.infer import streams  # noqa: E402
 from archlab.infer.server import EngineLoop, create_app  # noqa: E402
 from archlab.model import build_model  # noqa: E402
 
@@ -183,62 +184,21 @@ def engine_rate(engine: Engine, steps: int = 200) -> dict:
     return {"slots": engine.slots, "ms_per_step": round(1e3 * dt, 4), "tokens_per_s": round(engine.slots / dt)}
 
 
-def record_steps(scheduler) -> list[float]:
-    """The host times at which ``scheduler`` counts its decode steps (as their tokens are handed
-    out), appended as they come."""
-    times: list[float] = []
-    count = scheduler._count_step
-
-    def recorded(*args_, **kwargs):
-        times.append(time.perf_counter())
-        return count(*args_, **kwargs)
-
-    scheduler._count_step = recorded
-    return times
-
-
-def count_calls(obj, name: str) -> list[float]:
-    """The host times of every call of ``obj.name`` (appended as they start)."""
-    times: list[float] = []
+def record_calls(obj, name: str, entry=lambda *args_, **kwargs: time.perf_counter()) -> list:
+    """``entry(*args)`` of every call of ``obj.name`` (by default the host time it starts),
+    appended as they come; an entry of None is not kept. ``obj`` may be a class, whose method
+    then gets ``self`` first."""
+    entries: list = []
     fn = getattr(obj, name)
 
-    def counted(*args_, **kwargs):
-        times.append(time.perf_counter())
+    def recorded(*args_, **kwargs):
+        value = entry(*args_, **kwargs)
+        if value is not None:
+            entries.append(value)
         return fn(*args_, **kwargs)
 
-    setattr(obj, name, counted)
-    return times
-
-
-def record_requests(loop: EngineLoop) -> list:
-    """The requests ``loop`` is given, appended as they are submitted (each keeps the host times
-    of its submission and of its first token)."""
-    seen: list = []
-    submit = loop.submit
-
-    def recorded(request, *args_, **kwargs):
-        seen.append(request)
-        return submit(request, *args_, **kwargs)
-
-    loop.submit = recorded  # type: ignore[method-assign]
-    return seen
-
-
-def record_ends() -> list[float]:
-    """The host times at which the server ends its streams (``Choice.end``: the last piece is
-    made, its event is written next), appended as they come."""
-    from archlab.infer import streams
-
-    times: list[float] = []
-    end = streams.Choice.end
-
-    def recorded(self, outcome: str) -> None:
-        if not self.ending:
-            times.append(time.perf_counter())
-        return end(self, outcome)
-
-    streams.Choice.end = recorded  # type: ignore[method-assign]
-    return times
+    setattr(obj, name, recorded)
+    return entries
 
 
 def timeline(load: dict, requests: list, steps: list[float], ends: list[float]) -> dict[str, float]:
@@ -449,9 +409,12 @@ def main() -> None:
 
         engine.step = slow_step  # type: ignore[method-assign]
     loop = EngineLoop(engine, pipelined=not args.no_pipeline)
-    launches = record_steps(loop.scheduler)
-    requests = record_requests(loop)
-    ends = record_ends()
+    # the decode steps (as the scheduler counts them, their tokens handed out), the requests
+    # submitted (each keeps the host times of its submission and of its first token), and the
+    # server's ends of its streams (``Choice.end``: the last piece made, its event written next)
+    launches = record_calls(loop.scheduler, "_count_step")
+    requests = record_calls(loop, "submit", lambda request, *args_, **kwargs: request)
+    ends = record_calls(streams.Choice, "end", lambda choice, outcome: None if choice.ending else time.perf_counter())
     loop.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -465,7 +428,7 @@ def main() -> None:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/completions"
     rows = []
-    calls = count_calls(engine, "_prefill_group")
+    calls = record_calls(engine, "_prefill_group")
     # The 1-client load, then the N-client one (``--repeats`` times; with ``--compare-pad`` the
     # padded and unpadded admissions in turn, in this one server (the same process and warm-up),
     # ordered ABBA ABBA ... so that neither always runs first)

@@ -193,6 +193,8 @@ def main() -> None:
                     help="also profile this variant's step (repeatable)")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profile (default 15)")
     args = ap.parse_args()
+    if args.top < 1:
+        ap.error(f"--top must be at least 1, got {args.top}")
     if not torch.cuda.is_available():
         print("train_throughput: no CUDA device; nothing to measure")
         return
