@@ -22,6 +22,9 @@ kernel: branch on that kernel against the baseline on that kernel.
 ``--linear cublas,triton`` measures decode once per kernel of the step's matmuls: cuBLAS, or
 archlab's skinny-matmul kernel (``kernels/skinny_matmul.py``, ``layers.DECODE_LINEAR``).
 
+``--rope torch,triton`` measures decode once per way of rotating q/k and writing the cache: torch
+(inductor's kernels) or archlab's one fused kernel (``kernels/rope_cache.py``, ``layers.DECODE_ROPE``).
+
 ``--profile`` also profiles 20 batch-1 decode steps of each model on the first ``--attention``
 kernel (the step body the graph captures, run uncaptured so the profiler sees every kernel) and
 prints, per model, the kernels per step, the GPU-busy time per step and the kernels that take it,
@@ -120,6 +123,8 @@ def main() -> None:
                     help=f"decode attention kernels to measure, one or more of {tuple(ATTENTION)}")
     ap.add_argument("--linear", default=layers.DECODE_LINEAR,
                     help=f"decode-step matmul kernels to measure, one or more of {layers.DECODE_LINEAR_MODES}")
+    ap.add_argument("--rope", default=layers.DECODE_ROPE,
+                    help=f"decode RoPE + cache-write paths to measure, one or more of {layers.DECODE_ROPE_MODES}")
     ap.add_argument("--compile-mode", help="torch.compile mode of the decode step",
                     choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     ap.add_argument("--coordinate-descent", action="store_true",
@@ -138,6 +143,9 @@ def main() -> None:
     linears = args.linear.split(",")
     if not set(linears) <= set(layers.DECODE_LINEAR_MODES):
         ap.error(f"--linear: each of {layers.DECODE_LINEAR_MODES}, got {args.linear!r}")
+    ropes = args.rope.split(",")
+    if not set(ropes) <= set(layers.DECODE_ROPE_MODES):
+        ap.error(f"--rope: each of {layers.DECODE_ROPE_MODES}, got {args.rope!r}")
     if not torch.cuda.is_available():
         print("decode_latency: no CUDA device; nothing to measure")
         return
@@ -167,17 +175,17 @@ def main() -> None:
                         print(f"  {ms:7.4f} ms  x{count:4.1f}  {key}")
             for b in ([] if args.no_decode else [int(x) for x in args.batches.split(",")]):
                 refs = {}  # the baseline has no branch rows: SDPA's placement of them changes nothing
-                for mode, lin in [(m, li) for li in linears for m in modes]:
+                for mode, lin, rope in [(m, li, ro) for ro in ropes for li in linears for m in modes]:
                     use(mode)  # read when the step is traced (a new engine per call)
-                    layers.DECODE_LINEAR = lin
-                    kernel = (*ATTENTION[mode][0::2], lin)
+                    layers.DECODE_LINEAR, layers.DECODE_ROPE = lin, rope
+                    kernel = (*ATTENTION[mode][0::2], lin, rope)
                     if kernel not in refs:
                         refs[kernel] = bench_decode(base, b, args.context, args.steps, bw,
                                                     compile_mode=args.compile_mode)
                     ref = refs[kernel]
                     dec = bench_decode(branch, b, args.context, args.steps, bw, compile_mode=args.compile_mode)
                     r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "attention": mode,
-                         "linear": lin, "baseline": as_dict(ref), "branch": as_dict(dec),
+                         "linear": lin, "rope": rope, "baseline": as_dict(ref), "branch": as_dict(dec),
                          "ratio": dec.ms_per_step / ref.ms_per_step}
                     rows.append(r)
                     print(json.dumps(r), flush=True)
@@ -186,7 +194,7 @@ def main() -> None:
                 runs = [(f"{name} ({mode})", m, mode) for name, m in (("baseline", base), ("branch", branch))]
                 for name, m, mode in runs:
                     use(mode)
-                    layers.DECODE_LINEAR = linears[0]
+                    layers.DECODE_LINEAR, layers.DECODE_ROPE = linears[0], ropes[0]
                     prof = profile_decode(m, args.context)
                     print(f"\nprofile {preset} {name} decode b1: {prof['kernels_per_step']:.0f} kernels/step, "
                           f"GPU busy {prof['gpu_busy_ms']:.3f} ms/step")
@@ -203,7 +211,7 @@ def main() -> None:
             print(f"| {r['preset']} | prefill (TTFT) | prompt {r['prompt']} | {b['ms']:.3f} | {d['ms']:.3f} | "
                   f"{r['ratio']:.3f} | {mfu(b)} / {mfu(d)} |")
         else:
-            print(f"| {r['preset']} | decode ({r['attention']}, {r['linear']}) | batch {r['batch']}, ctx {r['context']} | "
+            print(f"| {r['preset']} | decode ({r['attention']}, {r['linear']}, rope {r['rope']}) | batch {r['batch']}, ctx {r['context']} | "
                   f"{b['ms_per_step']:.3f} | "
                   f"{d['ms_per_step']:.3f} | {r['ratio']:.3f} | {b['frac_of_roofline']:.1%} / "
                   f"{d['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} / {d['roofline_ms']:.3f} ms |")

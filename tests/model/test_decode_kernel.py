@@ -127,3 +127,32 @@ def test_split_caches_are_merged_inside_the_kernel(monkeypatch):
     assert_matches_full_forward(model, seqs, prompt_lens=[30, 6, 20])
     assert fused and all(fused)
     assert decode_attention.default_splits(4, cfg.model.n_kv_heads, cfg.model.max_seq_len) > 1
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decoding_with_the_fused_rope_cache_kernel_reproduces_the_full_forward(monkeypatch, case):
+    """``layers.DECODE_ROPE = "triton"``: every decode step rotates q and k and writes the cache in
+    archlab's one kernel (follower rows, per-layer head dims, cache entries per visit), and the
+    tokens' logits still equal the full forward's."""
+    monkeypatch.setattr(layers, "DECODE_ATTENTION", "triton")
+    monkeypatch.setattr(layers, "DECODE_ROPE", "triton")
+    cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
+    model = randomised_model(cfg, seed=3)
+    calls = []
+    kernel = layers._rope_cache_kernel
+    monkeypatch.setattr(layers, "_rope_cache_kernel", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    seqs = [torch.randint(1, 97, (n,)).tolist() for n in (12, 5, 9)]
+    assert_matches_full_forward(model, seqs, prompt_lens=[3, 2, 7])
+    assert cfg.model.position == "rope" and calls, "the decode steps did not run the fused kernel"
+    assert all(shape[1] == 1 for shape in calls)  # decode steps only, never a prefill
+
+
+def test_auto_fuses_rope_and_cache_writes_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(layers, "DECODE_ROPE", "auto")
+    assert not layers.rope_cache_for(torch.device("cpu"))
+    assert layers.rope_cache_for(torch.device("cuda")) == (layers._rope_cache_kernel is not None)
+    monkeypatch.setattr(layers, "DECODE_ROPE", "torch")
+    assert not layers.rope_cache_for(torch.device("cuda"))
+    monkeypatch.setattr(layers, "DECODE_ROPE", "fused")
+    with pytest.raises(ValueError, match="DECODE_ROPE"):
+        layers.rope_cache_for(torch.device("cpu"))

@@ -36,6 +36,11 @@ try:  # the skinny-matmul kernel needs Triton too; without it every product runs
 except ImportError:
     _skinny_matmul_kernel, _SKINNY_MAX_ROWS = None, 0
 
+try:  # and the decode step's fused RoPE + cache-write kernel; without it, inductor's kernels
+    from archlab.kernels.rope_cache import rope_cache as _rope_cache_kernel
+except ImportError:
+    _rope_cache_kernel = None
+
 
 # ---- linear maps ---------------------------------------------------------------------------------
 # Which kernel multiplies a decode step's few rows (at most ``kernels.skinny_matmul.MAX_ROWS``: the
@@ -196,6 +201,27 @@ class RoPE(nn.Module):
             else:
                 out[hd] = (cos[positions], sin[positions])
         return out
+
+
+# How a decode step (one new token per row, over the cache) rotates q and k and writes k and v
+# into the cache: "torch", as any other run does (``apply_rope``, ``KVCache.write``: inductor makes
+# three short kernels of them per layer), "triton", archlab's one kernel for all of it
+# (``kernels.rope_cache``), or "auto": the kernel on CUDA when Triton is installed, torch
+# elsewhere. Read when a step is traced: set it before compiling.
+DECODE_ROPE = "auto"
+DECODE_ROPE_MODES = ("auto", "torch", "triton")
+
+
+def rope_cache_for(device: torch.device) -> bool:
+    """Whether ``DECODE_ROPE`` puts a decode step's RoPE and cache writes on ``device`` on the
+    fused kernel."""
+    if DECODE_ROPE not in DECODE_ROPE_MODES:
+        raise ValueError(f"DECODE_ROPE must be one of {DECODE_ROPE_MODES}, not {DECODE_ROPE!r}")
+    if DECODE_ROPE == "triton" and _rope_cache_kernel is None:
+        raise RuntimeError("DECODE_ROPE='triton' needs triton (pip install 'archlab[triton]')")
+    if DECODE_ROPE == "torch" or _rope_cache_kernel is None:
+        return False
+    return DECODE_ROPE == "triton" or device.type == "cuda"
 
 
 # ---- attention -----------------------------------------------------------------------------------
@@ -414,7 +440,13 @@ class Attention(nn.Module):
                 k, v = k[:, :t], v[:, :t]
         else:
             q = ctx.rows.tap(ctx.visit, "q", q)
-        q = ctx.rope.rotate(self._heads(q, self.n_heads), self.head_dim)
+        if k is not None and self._fused_decode_rope(q, ctx, lead):
+            cos, sin = ctx.rope[self.head_dim]
+            kc, vc = ctx.cache.layer(ctx.visit)
+            q = _rope_cache_kernel(q, k, v, cos, sin, ctx.positions, ctx.cache_rows, kc, vc, self.n_heads)
+            k = None  # written: attention reads the cache below
+        else:
+            q = ctx.rope.rotate(self._heads(q, self.n_heads), self.head_dim)
         if k is not None:
             k = ctx.rope.rotate(self._heads(k, self.n_kv_heads), self.head_dim)
             v = self._heads(v, self.n_kv_heads)
@@ -425,6 +457,18 @@ class Attention(nn.Module):
         k, v = ctx.rows.share(ctx.visit, "kv", (k, v) if k is not None else None)
         o = ctx.rows.attend(ctx.visit, self, q, k, v, ctx, lead, q_tail)
         return self.wo(o.transpose(1, 2).reshape(rows, o.shape[2], self.q_dim))
+
+    def _fused_decode_rope(self, q: Tensor, ctx: Context, lead: int) -> bool:
+        """Whether this run's RoPE and cache writes go to the fused kernel (``DECODE_ROPE``): a
+        decode step (one position per row, over the cache, no appended rows) with the core RoPE's
+        tables at each sequence's position, and every row a primary or a follower of one."""
+        if q.shape[1] != 1 or ctx.cache is None or ctx.mask is None or ctx.rows.appended:
+            return False
+        if type(ctx.rope) is not RopeTables or not rope_cache_for(q.device):
+            return False
+        cos = ctx.rope[self.head_dim][0]
+        return (cos.dim() == 3 and cos.shape[:2] == (lead, 1) and q.shape[0] % lead == 0
+                and ctx.positions is not None and ctx.positions.shape == (lead, 1))
 
     def _grouped_decode(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context, g: int) -> Tensor:
         """Grouped decode: ``g`` rows per sequence (primary, then followers), one new token each,
