@@ -18,7 +18,9 @@ is a ``torch.library`` custom op that declares those mutations, so inductor writ
 place (no copy of a buffer: ``tests/kernels/test_rope_cache.py`` reads the generated code);
 outside, the launch is called directly (importing ``torch._dynamo`` costs an eager
 ``archlab generate`` seconds: ``kernels.skinny_matmul``). ``layers.DECODE_ROPE`` decides whether
-a decode step uses it. It runs on CUDA and, for tests, in Triton's CPU interpreter.
+a decode step uses it (off by default: in a CUDA-graphed batch-1 step on an H100 it changed the
+step time by -0.6% at 124m and +1.5% at 1b, docs/benchmarks.md, thirtieth session). It runs on
+CUDA and, for tests, in Triton's CPU interpreter.
 """
 
 from __future__ import annotations

@@ -207,8 +207,11 @@ class RoPE(nn.Module):
 # into the cache: "torch", as any other run does (``apply_rope``, ``KVCache.write``: inductor makes
 # three short kernels of them per layer), "triton", archlab's one kernel for all of it
 # (``kernels.rope_cache``), or "auto": the kernel on CUDA when Triton is installed, torch
-# elsewhere. Read when a step is traced: set it before compiling.
-DECODE_ROPE = "auto"
+# elsewhere. The default is "torch": on an H100 (docs/benchmarks.md, thirtieth session) the kernel
+# moved batch-1 decode by -0.6% at 124m (branch -2.1%) and +1.5% at 1b (branch +1.9%), one timing
+# each, within the noise of one call; under a CUDA graph the three short kernels it replaces were
+# not what bounds the step. Read when a step is traced: set it before compiling.
+DECODE_ROPE = "torch"
 DECODE_ROPE_MODES = ("auto", "torch", "triton")
 
 
