@@ -8,13 +8,14 @@
 # 2. The 124m baseline, plain, profiled (its 45 longest kernels), in a process of its own whose
 #    inductor cache is kept: the generated code of its forward and backward graphs lands in
 #    $OUT/inductor/, so a profile's kernel name can be read as source after the call.
-# 3. The graphed baseline and the routing variants (default: full AttnRes, Block AttnRes, MHAR H=4
+# 3. The graphed baseline, the baseline with the fused linear + cross-entropy readout (/fused), and
+#    the routing variants
 #    and H=8, Block MHAR, delta-MHAR, all on the Triton routing and graphed), each against the
 #    graphed baseline of the same process.
 # Each part gets what is left of SECONDS (default 570); the JSON rows land in $OUT.
 set -uo pipefail
 total=${1:-570}
-variants=${2:-baseline/graph,mhar4-triton/graph,attnres-triton/graph,block8-attnres-triton/graph,mhar8-triton/graph,block8-mhar4-triton/graph,delta-mhar4-triton/graph}
+variants=${2:-baseline/graph,baseline/fused,baseline/graph/fused,mhar4-triton/graph,block8-attnres-triton/graph,attnres-triton/graph,mhar8-triton/graph,block8-mhar4-triton/graph,delta-mhar4-triton/graph}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 data=/tmp/d/en-large-prepared
 mkdir -p /tmp/d && { [ -d $data ] || tar -xJf .gpu/en-large.tar.xz -C /tmp/d; } || exit 4
