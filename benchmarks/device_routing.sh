@@ -9,9 +9,9 @@
 #    inductor cache is kept: the generated code of its forward and backward graphs lands in
 #    $OUT/inductor/, so a profile's kernel name can be read as source after the call.
 # 3. The graphed baseline, the baseline with the fused linear + cross-entropy readout (/fused), and
-#    the routing variants
-#    and H=8, Block MHAR, delta-MHAR, all on the Triton routing and graphed), each against the
-#    graphed baseline of the same process.
+#    the routing variants (default: MHAR H=4, Block AttnRes, full AttnRes, MHAR H=8, Block MHAR,
+#    delta-MHAR, all on the Triton routing and graphed), each against the graphed baseline of the
+#    same process. The list is in priority order: a timeout cuts its tail.
 # Each part gets what is left of SECONDS (default 570); the JSON rows land in $OUT.
 set -uo pipefail
 total=${1:-570}
