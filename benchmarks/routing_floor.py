@@ -1,0 +1,84 @@
+"""The traffic floor of exact depth routing: how fast AttnRes / MHAR can train at best, by arithmetic.
+
+    python benchmarks/routing_floor.py [--presets 124m,350m,1b] [--blocks 0,8] [--bandwidth 3.0]
+        [--base-ms 124m=72.6] [--removed-ms 124m=3.8] [--target 124m:0=0.85]
+
+Full or block routing reads, at every routing site, each of its sources' rows: the (read, source)
+pairs are the model's own ``read_source_counts`` (the same function the model's cost accounting
+uses), so the count cannot drift from the code. Every pair moves one bf16 row of width ``d`` once
+in the forward and three times in the backward (the source again for its logit gradient, and
+its gradient accumulator read and written back), per position of every micro-batch. At copy
+bandwidth ``--bandwidth`` (TB/s, the card's measured copy rate; 2.96-3.01 on the H100 of the
+twenty-ninth session, 4.1 on the H200) that is a floor on the routing's time. MHAR's heads split
+each row, not the pairs, so the floor is the same for any ``H``.
+
+With the baseline's step time (``--base-ms``) and the time of the residual adds that routing
+replaces (``--removed-ms``, measured as the drop in the baseline's fused elementwise kernels), the
+best ratio any exact kernel of this traffic can reach is ``base / (base + floor - removed)``.
+Prints a Markdown table; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from archlab.config import make_config  # noqa: E402
+from archlab.model.variants.attnres.module import read_source_counts  # noqa: E402
+
+PASSES_FORWARD, PASSES_BACKWARD = 1, 3
+BYTES = 2  # bf16 sources and gradient sums (the routing's defaults)
+
+
+def per_preset(text: str, what: str) -> dict[str, float]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"routing_floor: {what} takes PRESET=VALUE pairs, got {item!r}")
+        out[key] = float(value)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="124m,350m,1b")
+    ap.add_argument("--blocks", default="0,8", help="routing blocks; 0 is full routing")
+    ap.add_argument("--bandwidth", type=float, default=3.0, help="copy bandwidth in TB/s")
+    ap.add_argument("--base-ms", default="", help="baseline step ms per preset: 124m=72.6,...")
+    ap.add_argument("--removed-ms", default="", help="residual-add ms routing removes per preset")
+    args = ap.parse_args()
+    if args.bandwidth <= 0:
+        ap.error("--bandwidth must be positive")
+    base, removed = per_preset(args.base_ms, "--base-ms"), per_preset(args.removed_ms, "--removed-ms")
+    print(f"copy bandwidth {args.bandwidth} TB/s; {PASSES_FORWARD} pass forward, {PASSES_BACKWARD} backward, bf16")
+    print("| preset | routing | (read, source) pairs | positions / step | d | forward ms | backward ms "
+          "| floor ms | baseline ms | best ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for preset in args.presets.split(","):
+        for blocks in (int(b) for b in args.blocks.split(",")):
+            cfg = make_config(preset, overrides=["model.residual.kind=attnres", f"model.residual.blocks={blocks}"])
+            n_sites = 2 * cfg.model.n_layers
+            n_blocks = blocks if 0 < blocks < n_sites else n_sites
+            pairs = sum(read_source_counts(cfg.model, n_blocks))
+            positions = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
+            d = cfg.model.d_model
+            pass_ms = pairs * positions * d * BYTES / (args.bandwidth * 1e12) * 1e3
+            fwd, bwd = PASSES_FORWARD * pass_ms, PASSES_BACKWARD * pass_ms
+            floor = fwd + bwd
+            label = "full" if n_blocks == n_sites else f"block {n_blocks}"
+            if preset in base:
+                b = base[preset]
+                best = f"{b / (b + floor - removed.get(preset, 0.0)):.3f}x"
+                b_text = f"{b:.1f}"
+            else:
+                best = b_text = "-"
+            print(f"| {preset} | {label} | {pairs} | {positions:,} | {d} | {fwd:.1f} | {bwd:.1f} | {floor:.1f} "
+                  f"| {b_text} | {best} |")
+
+
+if __name__ == "__main__":
+    main()
