@@ -27,19 +27,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from archlab.config import make_config  # noqa: E402
-from archlab.model.variants.attnres.module import read_source_counts  # noqa: E402
+from archlab.errors import ConfigError  # noqa: E402
+from archlab.model.variants.attnres.module import attnres_blocks, read_source_counts  # noqa: E402
 
 PASSES_FORWARD, PASSES_BACKWARD = 1, 3
 BYTES = 2  # bf16 sources and gradient sums (the routing's defaults)
 
 
-def per_preset(text: str, what: str) -> dict[str, float]:
+def per_preset(ap: argparse.ArgumentParser, text: str, what: str) -> dict[str, float]:
+    """``PRESET=MS,...`` as a dict; anything else ends in one line and exit 2."""
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"routing_floor: {what} takes PRESET=VALUE pairs, got {item!r}")
-        out[key] = float(value)
+        try:
+            out[key] = float(value) if sep else None
+        except ValueError:
+            out[key] = None
+        if out[key] is None or out[key] < 0:
+            ap.error(f"{what} takes PRESET=MS pairs with MS >= 0, got {item!r}")
     return out
 
 
@@ -53,16 +58,23 @@ def main() -> None:
     args = ap.parse_args()
     if args.bandwidth <= 0:
         ap.error("--bandwidth must be positive")
-    base, removed = per_preset(args.base_ms, "--base-ms"), per_preset(args.removed_ms, "--removed-ms")
+    base, removed = per_preset(ap, args.base_ms, "--base-ms"), per_preset(ap, args.removed_ms, "--removed-ms")
+    try:
+        blocks_list = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        ap.error(f"--blocks takes integers (0 = full routing), got {args.blocks!r}")
     print(f"copy bandwidth {args.bandwidth} TB/s; {PASSES_FORWARD} pass forward, {PASSES_BACKWARD} backward, bf16")
     print("| preset | routing | (read, source) pairs | positions / step | d | forward ms | backward ms "
           "| floor ms | baseline ms | best ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for preset in args.presets.split(","):
-        for blocks in (int(b) for b in args.blocks.split(",")):
-            cfg = make_config(preset, overrides=["model.residual.kind=attnres", f"model.residual.blocks={blocks}"])
-            n_sites = 2 * cfg.model.n_layers
-            n_blocks = blocks if 0 < blocks < n_sites else n_sites
+        for blocks in blocks_list:
+            try:
+                cfg = make_config(preset, overrides=["model.residual.kind=attnres", f"model.residual.blocks={blocks}"])
+            except ConfigError as e:
+                ap.error(str(e))
+            n_blocks = attnres_blocks(cfg.model)
+            n_sites = len(read_source_counts(cfg.model, n_blocks)) - 1  # the last read is the final one
             pairs = sum(read_source_counts(cfg.model, n_blocks))
             positions = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
             d = cfg.model.d_model
