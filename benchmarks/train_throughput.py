@@ -69,6 +69,11 @@ for _name in ("attnres-triton", "mhar4-triton"):
     VARIANTS[f"{_name}-fp32src"] = [*VARIANTS[_name], "model.residual.source_dtype=float32"]
     VARIANTS[f"{_name}-bf16grad"] = [*VARIANTS[_name], "model.residual.grad_dtype=bfloat16"]
 
+# The deferred backward (each source's gradient assembled once from its readers' kept terms).
+for _name in ("attnres-triton", "mhar4-triton", "mhar8-triton", "block8-attnres-triton", "block8-mhar4-triton",
+              "delta-mhar4-triton"):
+    VARIANTS[f"{_name}-deferred"] = [*VARIANTS[_name], "model.residual.backward=deferred"]
+
 # The zoo options exactly as users run them: each ``configs/zoo/NAME.yaml`` is a variant
 # ``zoo/NAME`` (its YAML is layered over the preset, so the benchmark cannot drift from the file).
 ZOO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "zoo")
@@ -78,7 +83,7 @@ ZOO = {f"zoo-{f[:-5]}": os.path.join(ZOO_DIR, f) for f in sorted(os.listdir(ZOO_
 # Kernel-name fragments -> category, first match wins (names as the CUDA profiler reports them).
 CATEGORIES = [
     ("routing fwd", ("_route_fwd",)),
-    ("routing bwd", ("_route_bwd", "_reduce_partials")),
+    ("routing bwd", ("_route_bwd", "_reduce_partials", "_assemble_grad")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "matmul", "splitk")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),

@@ -363,6 +363,101 @@ def test_triton_tail_gradient_is_fresh_when_accumulating(routing_triton: ModuleT
     assert rel_err(want_dt.cpu(), ref[n]) < 1e-5 and rel_err(want_ds.cpu(), ref[:n]) < 1e-5
 
 
+def reader_chain(n_slots: int, counts: list[int], tails: list[bool], m: int, d: int, seed: int):
+    """A stack of ``n_slots`` sources read by ``len(counts)`` readers, reader ``r`` over the first
+    ``counts[r]`` slots plus, where ``tails[r]``, a tail of its own; each with its own query, gain
+    and upstream gradient. Seeded CPU float32 tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    stack = torch.randn(n_slots, m, d, generator=gen) * (torch.rand(n_slots, m, 1, generator=gen) + 0.3)
+    readers = []
+    for n, has_tail in zip(counts, tails):
+        readers.append(dict(n=n, query=torch.randn(d, generator=gen) * 0.5,
+                            gain=1 + 0.3 * torch.randn(d, generator=gen),
+                            tail=torch.randn(m, d, generator=gen) if has_tail else None,
+                            dout=torch.randn(m, d, generator=gen)))
+    return stack, readers
+
+
+def chain_grads_f64(stack: torch.Tensor, readers: list[dict], heads: int):
+    """Float64 autograd through the reference: gradients of ``sum_r <dout_r, out_r>`` for the
+    stack, every tail, query and gain."""
+    s = stack.double().requires_grad_(True)
+    leaves = []
+    total = 0
+    for r in readers:
+        q, g = r["query"].double().requires_grad_(True), r["gain"].double().requires_grad_(True)
+        t = None if r["tail"] is None else r["tail"].double().requires_grad_(True)
+        src = s[:r["n"]] if t is None else torch.cat([s[:r["n"]], t[None]])
+        total = total + (route_reference(src, q, g, heads, EPS) * r["dout"].double()).sum()
+        leaves.append((q, g, t))
+    total.backward()
+    return s.grad, [(q.grad, g.grad, None if t is None else t.grad) for q, g, t in leaves]
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("heads,counts,tails", [
+    (1, [1, 2, 3, 4, 5], [False] * 5),  # full AttnRes: reader r writes slot r - 1 and reads all so far
+    (4, [1, 1, 2, 2, 3], [False, True, False, True, True]),  # Block MHAR: tails between block ends
+    (2, [2, 2, 4, 4], [True, False, True, False]),  # a reader writing two slots at once
+])
+def test_triton_deferred_backward_matches_float64(routing_triton: ModuleType, kernel_device: torch.device,
+                                                  heads: int, counts: list[int], tails: list[bool]) -> None:
+    """Readers' backwards in reverse order keep their terms (``defer``), then each source's
+    gradient is assembled once from all its readers: equal to float64 autograd over the chain,
+    as are every tail's, query's and gain's gradients."""
+    m, d = 13, 48
+    stack, readers = reader_chain(max(counts), counts, tails, m, d, seed=50 + heads)
+    want_stack, want = chain_grads_f64(stack, readers, heads)
+    dev = stack.to(kernel_device)
+    kept = routing_triton.DeferredGrads(len(readers), max(counts), m, d, heads, torch.float32, kernel_device)
+    got = [None] * len(readers)
+    for r in reversed(range(len(readers))):
+        rd = readers[r]
+        q, g, dout = (rd[k].to(kernel_device) for k in ("query", "gain", "dout"))
+        tail = None if rd["tail"] is None else rd["tail"].to(kernel_device)
+        out, alpha = routing_triton._route_forward(dev[:rd["n"]], q, g, heads, EPS, tail)
+        ds, dtail, dq, dg = routing_triton.route_backward(dev[:rd["n"]], q, g, alpha, out, dout, heads, EPS,
+                                                          tail=tail, defer=kept, reader=r)
+        assert ds is None
+        got[r] = (dq, dg, dtail)
+    for slot in range(max(counts)):
+        first = next(r for r, n in enumerate(counts) if n > slot)
+        ds = kept.assemble(dev[slot], slot, first, EPS, torch.float32)
+        assert rel_err(ds.cpu(), want_stack[slot]) < 1e-5, slot
+    for r, ((dq, dg, dt), (wq, wg, wt)) in enumerate(zip(got, want)):
+        if counts[r] + tails[r] > 1:  # one source: no gradient reaches the logits
+            assert rel_err(dq.cpu(), wq) < 1e-5 and rel_err(dg.cpu(), wg) < 1e-5, r
+        assert (dt is None) == (wt is None)
+        if dt is not None:
+            assert rel_err(dt.cpu(), wt) < 1e-5, r
+
+
+@pytest.mark.triton_interpret
+def test_triton_deferred_reader_without_gradient_adds_nothing(routing_triton: ModuleType,
+                                                              kernel_device: torch.device) -> None:
+    """A reader skipped (its output got no gradient) contributes zero; one that ran out of
+    reverse order is refused; a source whose readers never ran has no gradient."""
+    m, d, heads = 7, 32, 2
+    stack, readers = reader_chain(3, [1, 2, 3], [False] * 3, m, d, seed=60)
+    readers[2]["dout"] = torch.zeros(m, d)  # what skipping it must equal
+    want_stack, _ = chain_grads_f64(stack, readers, heads)
+    dev = stack.to(kernel_device)
+    kept = routing_triton.DeferredGrads(3, 3, m, d, heads, torch.float32, kernel_device)
+    assert kept.assemble(dev[0], 0, 0, EPS, torch.float32) is None
+    kept.skip(2)
+    for r in (1, 0):
+        rd = readers[r]
+        q, g, dout = (rd[k].to(kernel_device) for k in ("query", "gain", "dout"))
+        out, alpha = routing_triton._route_forward(dev[:rd["n"]], q, g, heads, EPS)
+        routing_triton.route_backward(dev[:rd["n"]], q, g, alpha, out, dout, heads, EPS, defer=kept, reader=r)
+    for slot in range(3):  # slot 2's one reader was skipped: its gradient is zero
+        got = kept.assemble(dev[slot], slot, slot, EPS, torch.float32).cpu()
+        torch.testing.assert_close(got, want_stack[slot].float(), rtol=1e-5, atol=1e-5)
+    assert want_stack[2].abs().max() == 0
+    with pytest.raises(RuntimeError, match="reverse forward order"):
+        kept.skip(1)
+
+
 @pytest.mark.parametrize("impl", ["reference", pytest.param("compile", marks=pytest.mark.compile)])
 def test_tail_in_other_impls_is_a_stacked_source(impl: str) -> None:
     sources, query, gain, dout = make_inputs(4, 5, 24, seed=47)

@@ -144,18 +144,39 @@ def _route_fwd_kernel(
 
 
 @triton.jit
+def _source_terms(s, qg, dout, delta, alpha, D, eps):
+    """One source's backward terms at a block of positions, all fp32: ``(inv_rms, normed, dlogit,
+    c)``, with ``dlogit`` [BM, BH] and ``c`` [BM] as in the module docstring. ``delta`` and
+    ``dout`` are the reader's; the source's gradient from this reader is then
+    ``alpha * dout + inv_rms * (dlogit * qg - normed * c)``."""
+    inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)
+    normed = s * inv_rms[:, None, None]
+    logit = tl.sum(normed * qg[None, :, :], axis=2)
+    dlogit = alpha * (tl.sum(dout * s, axis=2) - delta)  # [BM, BH]
+    c = tl.sum(dlogit * logit, axis=1) / D  # [BM]
+    return inv_rms, normed, dlogit, c
+
+
+@triton.jit
 def _route_bwd_kernel(
     src_ptr, tail_ptr, query_ptr, gain_ptr, out_ptr, dout_ptr, w_ptr, dsrc_ptr, dtail_ptr, part_ptr,
+    keep_dout_ptr, keep_alpha_ptr, keep_dlogit_ptr, keep_c_ptr,
     N, M, D, H, DH, BLOCKS_PER_PROG,
     stride_sn, stride_sm, stride_om, stride_dom, stride_dsn, stride_dsm, stride_wn,
+    stride_kdm, stride_kan, stride_kcn,
     eps,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, ACCUMULATE: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DEFER: tl.constexpr,
 ):
     """Persistent program: ``BLOCKS_PER_PROG`` consecutive position blocks, one pass each.
 
     Writes ``dsources`` (``ACCUMULATE``: adds to it), the tail's gradient (overwritten, never
     accumulated) and this program's partial ``P`` (row ``pid`` of ``part_ptr`` [G, d]).
+
+    ``DEFER`` (the deferred backward, see ``DeferredGrads``): no source gradient is written but
+    the tail's. Instead the program keeps what the source gradients need from this reader:
+    ``dout`` (to ``keep_dout_ptr`` [M, d]), and per source ``alpha``, ``dlogit`` ([N, M, H] fp32
+    at ``keep_alpha_ptr`` / ``keep_dlogit_ptr``) and ``c`` ([N, M] fp32 at ``keep_c_ptr``).
     """
     n_all = N + HAS_TAIL
     pid = tl.program_id(0)
@@ -183,6 +204,9 @@ def _route_bwd_kernel(
         out = tl.load(out_ptr + rows[:, None, None] * stride_om + col[None, :, :],
                       mask=mask, other=0.0).to(tl.float32)
         delta = tl.sum(dout * out, axis=2)
+        if DEFER:
+            tl.store(keep_dout_ptr + rows[:, None, None] * stride_kdm + col[None, :, :],
+                     dout.to(keep_dout_ptr.dtype.element_ty), mask=mask)
 
         # One pass over the sources: recompute the norms, write ds_i, accumulate P.
         s_next = tl.load(src_ptr + src_off, mask=mask, other=0.0)
@@ -204,18 +228,24 @@ def _route_bwd_kernel(
                     rows_old = offs_m < tl.where(cur < N, M, 0)
                     old_mask = rows_old[:, None, None] & col_mask[None, :, :]
                 ds_old = tl.load(ds_ptrs, mask=old_mask, other=0.0).to(tl.float32)
-            inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)
-            normed = s * inv_rms[:, None, None]
-            logit = tl.sum(normed * qg[None, :, :], axis=2)
-            dlogit = alpha * (tl.sum(dout * s, axis=2) - delta)  # [BM, BH]
-            c = tl.sum(dlogit * logit, axis=1) / D  # [BM]
+            inv_rms, normed, dlogit, c = _source_terms(s, qg, dout, delta, alpha, D, eps)
+            p_acc += dlogit[:, :, None] * normed
+            if DEFER:  # a stacked source's terms are kept; only the tail's gradient is written
+                rows_kept = offs_m < tl.where(cur < N, M, 0)
+                kept = rows_kept[:, None] & (offs_h[None, :] < H)
+                tl.store(keep_alpha_ptr + cur * stride_kan + w_off, alpha, mask=kept)
+                tl.store(keep_dlogit_ptr + cur * stride_kan + w_off, dlogit, mask=kept)
+                tl.store(keep_c_ptr + cur * stride_kcn + rows, c, mask=rows_kept)
+                rows_tail = offs_m < tl.where(cur < N, 0, M)
+                ds_mask = rows_tail[:, None, None] & col_mask[None, :, :]
+            else:
+                ds_mask = mask
             ds = (alpha[:, :, None] * dout
                   + inv_rms[:, None, None] * (dlogit[:, :, None] * qg[None, :, :]
                                               - normed * c[:, None, None]))
             if ACCUMULATE:
                 ds += ds_old
-            tl.store(ds_ptrs, ds.to(dsrc_ptr.dtype.element_ty), mask=mask)
-            p_acc += dlogit[:, :, None] * normed
+            tl.store(ds_ptrs, ds.to(dsrc_ptr.dtype.element_ty), mask=ds_mask)
 
     tl.store(part_ptr + pid.to(tl.int64) * D + col, tl.sum(p_acc, axis=0), mask=col_mask)
 
@@ -238,6 +268,58 @@ def _reduce_partials_kernel(
     gain = tl.load(gain_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     tl.store(dquery_ptr + offs_d, gain * total, mask=d_mask)
     tl.store(dgain_ptr + offs_d, query * total, mask=d_mask)
+
+
+@triton.jit
+def _assemble_grad_kernel(
+    src_ptr, dout_ptr, alpha_ptr, dlogit_ptr, c_ptr, qg_ptr, ds_ptr,
+    n_readers, M, D, H, DH,
+    stride_sm, stride_dr, stride_dm, stride_ar, stride_cr, stride_dsm,
+    eps,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+):
+    """One source's gradient over all its readers, written once (the deferred backward).
+
+    ``ds = sum_r alpha_r dout_r + inv_rms * (sum_r dlogit_r qg_r - normed * sum_r c_r)``, with
+    ``r`` over the first ``n_readers`` rows of the kept stacks: ``dout`` [R, M, d], ``alpha`` and
+    ``dlogit`` [R, M, H] and ``c`` [R, M] (this source's slice), ``qg`` [R, d] fp32. The source's
+    norm is recomputed from ``src_ptr`` [M, d], read once.
+    """
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_DH)
+    col = offs_h[:, None] * DH + offs_j[None, :]
+    col_mask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
+    m_mask = offs_m < M
+    mask = m_mask[:, None, None] & col_mask[None, :, :]
+    rows = offs_m.to(tl.int64)
+    w_off = rows[:, None] * H + offs_h[None, :]
+    w_mask = m_mask[:, None] & (offs_h[None, :] < H)
+    d_off = rows[:, None, None] * stride_dm + col[None, :, :]
+
+    s = tl.load(src_ptr + rows[:, None, None] * stride_sm + col[None, :, :], mask=mask,
+                other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(tl.sum(s * s, axis=2), axis=1) / D + eps)
+    value = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_DH), tl.float32)  # sum_r alpha_r dout_r
+    key = tl.zeros((BLOCK_M, BLOCK_H, BLOCK_DH), tl.float32)  # sum_r dlogit_r qg_r
+    c_sum = tl.zeros((BLOCK_M,), tl.float32)
+    dout_next = tl.load(dout_ptr + d_off, mask=mask, other=0.0)
+    for k in range(n_readers):
+        r = tl.cast(k, tl.int64)
+        dout = dout_next.to(tl.float32)
+        # prefetch the next reader's rows (the last iteration re-reads its own: a cache hit)
+        r_next = tl.minimum(k + 1, n_readers - 1).to(tl.int64)
+        dout_next = tl.load(dout_ptr + r_next * stride_dr + d_off, mask=mask, other=0.0)
+        alpha = tl.load(alpha_ptr + r * stride_ar + w_off, mask=w_mask, other=0.0)
+        dlogit = tl.load(dlogit_ptr + r * stride_ar + w_off, mask=w_mask, other=0.0)
+        c_sum += tl.load(c_ptr + r * stride_cr + rows, mask=m_mask, other=0.0)
+        qg = tl.load(qg_ptr + r * D + col, mask=col_mask, other=0.0)
+        value += alpha[:, :, None] * dout
+        key += dlogit[:, :, None] * qg[None, :, :]
+    ds = value + inv_rms[:, None, None] * (key - s * (inv_rms * c_sum)[:, None, None])
+    tl.store(ds_ptr + rows[:, None, None] * stride_dsm + col[None, :, :],
+             ds.to(ds_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -341,11 +423,89 @@ def _route_forward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
     return out, weights
 
 
+class DeferredGrads:
+    """What the deferred backward keeps of each read (reader) of a row group's source stack, until
+    each source's gradient is assembled once from all its readers.
+
+    A read's backward over ``N`` sources must give each source ``alpha dout + (dlogit qg - n c) /
+    rms``. The accumulating backward adds that to a gradient buffer at once: per (read, source)
+    pair it reads the source, reads the sum so far and writes it back, three rows. The deferred
+    one keeps the read's ``dout`` row and, per pair, the per-head scalars ``alpha`` and ``dlogit``
+    and the per-position ``c``; when every reader of a source has run (the backward of the read
+    that wrote the source, with the model's token chain), ``assemble`` reads the source once and
+    each reader's kept ``dout`` once and writes the gradient once. Per pair that is two rows
+    (the source in the reader's pass, the reader's ``dout`` in the assembly) instead of three,
+    and the gradient buffer is not needed. Memory: ``dout`` [R, M, d] in ``dtype`` plus
+    ``(2H + 1) * 4`` bytes per (reader, source, position).
+
+    Readers are numbered in forward order; a source ``i`` written by reader ``w`` is read by every
+    reader from ``w`` to the last one of the forward (a stack only grows), so the readers of a
+    source are a range and the kernels take its bounds, with no index list to copy to the device.
+    A reader whose backward got no gradient (``skip``) keeps zeros.
+    """
+
+    def __init__(self, n_readers: int, n_sources: int, m: int, d: int, heads: int, dtype: torch.dtype,
+                 device: torch.device):
+        f32 = torch.float32
+        self.dout = torch.empty(n_readers, m, d, dtype=dtype, device=device)
+        self.alpha = torch.empty(n_readers, n_sources, m, heads, dtype=f32, device=device)
+        self.dlogit = torch.empty(n_readers, n_sources, m, heads, dtype=f32, device=device)
+        self.c = torch.empty(n_readers, n_sources, m, dtype=f32, device=device)
+        self.qg = torch.empty(n_readers, d, dtype=f32, device=device)
+        self.heads = heads
+        #: the highest reader whose backward ran (the first to run: backwards go in reverse order)
+        self.last: int | None = None
+        self._latest: int | None = None  # the reader whose backward ran most recently
+
+    def _ran(self, reader: int) -> None:
+        if self._latest is not None and reader >= self._latest:
+            raise RuntimeError(f"deferred routing backward: reader {reader} ran after reader {self._latest}; "
+                               "the readers' backwards must run in reverse forward order")
+        if self.last is None:
+            self.last = reader
+        self._latest = reader
+
+    def skip(self, reader: int) -> None:
+        """Reader ``reader``'s backward got no gradient: it adds nothing to its sources."""
+        self._ran(reader)
+        for t in (self.dout, self.alpha, self.dlogit, self.c):
+            t[reader].zero_()
+
+    def assemble(self, source: torch.Tensor, slot: int, first_reader: int, eps: float,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+        """The gradient [M, d] (``dtype``) of ``source`` (slot ``slot`` of the stack, read first by
+        reader ``first_reader``) from every reader from there to ``last``; None if none ran."""
+        if self.last is None or self.last < first_reader:
+            return None
+        m, d = source.shape
+        n_readers = self.last - first_reader + 1
+        ds = torch.empty((m, d), dtype=dtype, device=source.device)
+        if m == 0:
+            return ds
+        if source.stride(-1) != 1:
+            source = source.contiguous()
+        t = _tiles(m, d, self.heads, source.device)
+        heads = self.heads
+        r0 = first_reader
+        with _device_guard(source):
+            _assemble_grad_kernel[(triton.cdiv(m, t.block_m),)](
+                source, self.dout[r0:], self.alpha[r0:, slot], self.dlogit[r0:, slot], self.c[r0:, slot],
+                self.qg[r0:], ds,
+                n_readers, m, d, heads, d // heads,
+                source.stride(0), self.dout.stride(0), self.dout.stride(1), self.alpha.stride(0),
+                self.c.stride(0), ds.stride(0),
+                eps,
+                BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh, num_warps=t.num_warps,
+            )
+        return ds
+
+
 def route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor,
                     weights: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, heads: int,
                     eps: float, accumulate_into: torch.Tensor | None = None,
-                    tail: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                    tail: torch.Tensor | None = None, defer: DeferredGrads | None = None,
+                    reader: int = 0,
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Launch both backward stages; returns ``(dsources, dtail, dquery, dgain)``.
 
     ``weights`` and ``out`` are what ``_route_forward`` returned (alpha contiguous [N', M, H]
@@ -356,36 +516,57 @@ def route_backward(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tenso
     without a tail) is always fresh, in the tail's dtype. Besides ``_RouteFunction``, the model's
     buffered routing (``archlab.model.attnres``) calls this directly, so keep the signature
     stable.
+
+    With ``defer`` (and not ``accumulate_into``) no source gradient is written (``dsources`` is
+    None): this read's terms are kept in ``defer`` as reader ``reader``, for
+    ``DeferredGrads.assemble``. The tail's gradient is still returned fresh: a tail has one reader.
     """
     _check_tail(sources, tail)
     n, m, d = sources.shape
-    t = _tiles(m, d, heads, sources.device, accumulate_into is not None)
+    if defer is not None and accumulate_into is not None:
+        raise ValueError("route_backward: defer and accumulate_into exclude each other")
+    t = _tiles(m, d, heads, sources.device, accumulate_into is not None or defer is not None)
     n_blocks = triton.cdiv(m, t.block_m)
     programs = _backward_programs(n_blocks, sources.device)
-    if accumulate_into is None:
-        dsources = torch.empty_like(sources, memory_format=torch.contiguous_format)
+    if defer is not None:
+        defer._ran(reader)
+        defer.qg[reader].copy_(query.float() * gain.float())
+        dsources = None
+        keep = (defer.dout[reader], defer.alpha[reader], defer.dlogit[reader], defer.c[reader])
+        like = keep[0]  # the one gradient written is the tail's: laid out like a kept dout
     else:
-        if accumulate_into.shape != sources.shape or accumulate_into.stride(-1) != 1:
-            raise ValueError(f"accumulate_into must be {tuple(sources.shape)} with unit stride over d")
-        dsources = accumulate_into
+        if accumulate_into is None:
+            dsources = torch.empty_like(sources, memory_format=torch.contiguous_format)
+        else:
+            if accumulate_into.shape != sources.shape or accumulate_into.stride(-1) != 1:
+                raise ValueError(f"accumulate_into must be {tuple(sources.shape)} with unit stride over d")
+            dsources = accumulate_into
+        keep = (dsources, weights, weights, weights)  # not used without DEFER: any valid pointers
+        like = dsources
     dtail = None
-    if tail is not None:  # written with dsources' offsets, so laid out like one of its rows
-        dtail = torch.empty_strided((m, d), dsources.stride()[1:], dtype=dsources.dtype,
-                                    device=sources.device)
+    if tail is not None:  # written with the stack's offsets, so laid out like one of its rows
+        dtail = torch.empty_strided((m, d), like.stride()[-2:], dtype=like.dtype, device=sources.device)
+    # The kernel's source-gradient stack. Deferred, only the tail's gradient is stored: the stack
+    # is then the tail's row (any valid row without a tail) with a source stride of 0, which keeps
+    # the masked-off addresses of every other source in bounds.
+    ds_stack = dsources if defer is None else (keep[0] if dtail is None else dtail)
+    ds_stride_n = 0 if defer is not None else dsources.stride(0)
     partials = torch.empty((programs, d), dtype=torch.float32, device=sources.device)
     dquery = torch.empty(d, dtype=torch.float32, device=sources.device)
     dgain = torch.empty(d, dtype=torch.float32, device=sources.device)
     block_d = min(128, triton.next_power_of_2(d))
     with _device_guard(sources):
         _route_bwd_kernel[(programs,)](
-            sources, sources if tail is None else tail, query, gain, out, dout, weights, dsources,
-            dsources if dtail is None else dtail, partials,
+            sources, sources if tail is None else tail, query, gain, out, dout, weights, ds_stack,
+            ds_stack if dtail is None else dtail, partials, *keep,
             n, m, d, heads, d // heads, triton.cdiv(n_blocks, programs),
-            sources.stride(0), sources.stride(1), out.stride(0), dout.stride(0), dsources.stride(0),
-            dsources.stride(1), weights.stride(0),
+            sources.stride(0), sources.stride(1), out.stride(0), dout.stride(0), ds_stride_n,
+            ds_stack.stride(-2), weights.stride(0),
+            keep[0].stride(-2), keep[1].stride(0), keep[3].stride(0),
             eps,
             BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_DH=t.block_dh,
-            ACCUMULATE=accumulate_into is not None, HAS_TAIL=tail is not None, num_warps=t.num_warps,
+            ACCUMULATE=accumulate_into is not None, HAS_TAIL=tail is not None, DEFER=defer is not None,
+            num_warps=t.num_warps,
         )
         _reduce_partials_kernel[(triton.cdiv(d, block_d),)](
             partials, query, gain, dquery, dgain, programs, d, BLOCK_G=32, BLOCK_D=block_d,

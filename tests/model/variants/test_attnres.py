@@ -297,7 +297,7 @@ def grad_model(case, impl, seed=8):
     return randomize_routing(build_model(cfg), seed=seed + 1)
 
 
-@pytest.mark.parametrize("impl", ["reference", "compile", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "compile", "triton", "triton-deferred"])
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_buffered_path_gradients_equal_list_path(case, impl):
     """Every read's source gradient lands on its source exactly once, for every implementation.
@@ -306,6 +306,7 @@ def test_buffered_path_gradients_equal_list_path(case, impl):
     outside the buffer; a gradient lost, or delivered twice, changes the result by far more than
     the tolerance.
     """
+    impl, _, backward = impl.partition("-")
     device = impl_device(impl)  # both paths run there: they differ only in the routing
     model = grad_model(case, impl).to(device)
     idx = torch.randint(0, 97, (2, 6)).to(device)
@@ -314,6 +315,7 @@ def test_buffered_path_gradients_equal_list_path(case, impl):
     loss_a, ga = _grads(model, idx)
     model.residual.impl = impl
     model.residual.buffered = True
+    model.residual.backward_mode = backward or "accumulate"
     loss_b, gb = _grads(model, idx)
     torch.testing.assert_close(loss_b, loss_a, atol=0, rtol=1e-6)
     assert ga.keys() == gb.keys()
@@ -325,12 +327,14 @@ def test_buffered_path_gradients_equal_list_path(case, impl):
             assert ga["residual." + name].abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "triton-deferred"])
 def test_buffered_gradient_accumulation_over_forwards(impl):
     """Two forwards alive at once, backwards in either order, add up to the separate gradients."""
+    impl, _, backward = impl.partition("-")
     device = impl_device(impl)
     model = grad_model("block", impl, seed=12).to(device)
     model.residual.buffered = True
+    model.residual.backward_mode = backward or "accumulate"
     a, b = torch.randint(0, 97, (2, 2, 5)).to(device)
     ga, gb = _grads(model, a)[1], _grads(model, b)[1]
     model.zero_grad()

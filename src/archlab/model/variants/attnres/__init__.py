@@ -33,6 +33,13 @@ class ResidualConfig:
     # read, as autograd's own bf16 sums did). float32, as the MHAR paper does, rounds the sum once
     # but made a 124m step take 28% longer on an H200 (docs/benchmarks.md).
     grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # How the Triton routing's backward forms each source's gradient. accumulate: every read adds
+    # its share to a gradient buffer (read the source, read and write the sum: three rows per
+    # read and source). deferred: every read keeps its upstream gradient and per-head scalars, and
+    # each source's gradient is assembled once when its last read's backward is done (two rows per
+    # read and source, more memory: docs/benchmarks.md). Only the Triton path has it; where
+    # impl auto resolves to another (CPU), accumulate runs.
+    backward: Literal["accumulate", "deferred"] = "accumulate"
 
     def validate(self, model) -> None:
         check(self.heads > 0 and model.d_model % self.heads == 0, "model.residual.heads",
@@ -44,6 +51,8 @@ class ResidualConfig:
               f"must be in 0..{sites} (0 = full AttnRes), got {self.blocks}")
         check(0 <= self.delta_groups <= sites, "model.residual.delta_groups",
               f"must be in 0..{sites}, got {self.delta_groups}")
+        check(self.backward == "accumulate" or self.impl in ("auto", "triton"), "model.residual.backward",
+              f"'deferred' is a Triton backward: it needs impl auto or triton, got impl {self.impl!r}")
 
 
 _MODULE = "archlab.model.variants.attnres.module"

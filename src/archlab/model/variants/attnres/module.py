@@ -267,10 +267,27 @@ class SourceBuffer:
     """
 
     def __init__(self, n_max: int, rows: int, d: int, dtype: torch.dtype, device: torch.device,
-                 grad_dtype: torch.dtype | None):
+                 grad_dtype: torch.dtype | None, deferred: bool = False):
         self.buf: Tensor | None = torch.empty(n_max, rows, d, dtype=dtype, device=device)
         self.grad: Tensor | None = None
         self.grad_dtype = grad_dtype or dtype
+        #: the deferred backward (``residual.backward: deferred``, Triton only): each source's
+        #: gradient assembled once from its readers' kept terms, instead of ``grad``
+        self.deferred = deferred
+        self.kept = None  # its ``DeferredGrads``, made by the first backward
+        self.n_reads = 0  # reads made over this buffer with autograd: the next one's index
+
+    def kept_terms(self, heads: int):
+        """The ``DeferredGrads`` of this forward's reads (made by the first backward that needs it)."""
+        if self.buf is None:
+            raise RuntimeError("buffered depth routing supports one backward per forward (the source "
+                               "buffer is freed when the first read's backward has run)")
+        if self.kept is None:
+            from archlab.kernels.routing_triton import DeferredGrads
+
+            n_max, rows, d = self.buf.shape
+            self.kept = DeferredGrads(self.n_reads, n_max, rows, d, heads, self.grad_dtype, self.buf.device)
+        return self.kept
 
     def grad_slots(self, n: int) -> Tensor:
         """``grad[:n]``; the buffer is zero-filled by the first backward that needs it."""
@@ -343,6 +360,7 @@ class _BufferedRoute(torch.autograd.Function):
         out, weights = _route_slots(store, n, query, gain, heads, eps, impl, tail)
         weights = weights.detach()
         ctx.store, ctx.n, ctx.heads, ctx.eps, ctx.impl = store, n, heads, eps, impl
+        ctx.reader, store.n_reads = store.n_reads, store.n_reads + 1
         ctx.written = [(slot, src.dtype) for slot, src in zip(slots, written)]
         ctx.save_for_backward(query, gain, weights, out, tail)
         ctx.mark_non_differentiable(weights)
@@ -352,6 +370,8 @@ class _BufferedRoute(torch.autograd.Function):
     def backward(ctx, dout: Tensor | None, _dweights: Tensor | None, _dtoken: Tensor | None):
         store = ctx.store
         query, gain, weights, out, tail = ctx.saved_tensors
+        if store.deferred:
+            return _BufferedRoute._deferred_backward(ctx, store, dout, query, gain, weights, out, tail)
         dquery = dgain = dtail = None
         if dout is not None:
             grad = store.grad_slots(ctx.n)
@@ -372,8 +392,32 @@ class _BufferedRoute(torch.autograd.Function):
                 if tail is not None:
                     dtail = dsources[ctx.n].to(tail.dtype)
         dwritten = [store.take_grad(slot, dtype) for slot, dtype in ctx.written]
+        return _BufferedRoute._delivered(ctx, store, dquery, dgain, dtail, dwritten)
+
+    @staticmethod
+    def _deferred_backward(ctx, store: SourceBuffer, dout: Tensor | None, query: Tensor, gain: Tensor,
+                           weights: Tensor, out: Tensor, tail: Tensor | None):
+        """Keep this read's terms; then assemble the gradients of the sources it wrote, whose other
+        readers (all later ones) have kept theirs already."""
+        kept = store.kept_terms(ctx.heads)
+        dquery = dgain = dtail = None
+        if dout is None:
+            kept.skip(ctx.reader)
+        else:
+            _, dtail, dquery, dgain = _triton_backward()(store.buf[:ctx.n], query, gain, weights, out,
+                                                         dout.contiguous(), ctx.heads, ctx.eps, tail=tail,
+                                                         defer=kept, reader=ctx.reader)
+        dwritten = []
+        for slot, dtype in ctx.written:
+            ds = kept.assemble(store.buf[slot], slot, ctx.reader, ctx.eps, store.grad_dtype)
+            dwritten.append(None if ds is None else ds.to(dtype))
+        return _BufferedRoute._delivered(ctx, store, dquery, dgain, dtail, dwritten)
+
+    @staticmethod
+    def _delivered(ctx, store: SourceBuffer, dquery, dgain, dtail, dwritten):
+        """The backward's return, after freeing the buffers if this is the forward's first read."""
         if any(slot == 0 for slot, _ in ctx.written):  # the forward's first read: all delivered
-            store.buf = store.grad = None
+            store.buf = store.grad = store.kept = None
         return (None, None, None, None, None, None, dquery, dgain, None, dtail, *dwritten)
 
 
@@ -389,7 +433,8 @@ def _buffered_route(stream: DepthRouting, state: DepthState, query: Tensor, gain
     """
     if state.store is None:
         state.store = SourceBuffer(stream.n_blocks + 1, state.rows, stream.d, state.dtype, state.device,
-                                   stream.grad_dtype)
+                                   stream.grad_dtype,
+                                   deferred=stream.backward_mode == "deferred" and state.impl == "triton")
         if torch.is_grad_enabled():
             state.token = torch.empty((), device=state.device, requires_grad=True)
     store, n, tail = state.store, state.n_done, state.partial
@@ -438,6 +483,8 @@ class DepthRouting(nn.Module):
         self.buffered: bool | None = None
         #: dtype of the buffered path's source-gradient buffer; None: the sources' dtype
         self.grad_dtype: torch.dtype | None = _DTYPES.get(cfg.residual.grad_dtype)
+        #: how the Triton path's backward forms each source's gradient (``residual.backward``)
+        self.backward_mode = cfg.residual.backward
         #: dtype the sources are stored (and routed) in; None: the autocast dtype under autocast,
         #: else the embedding's (``residual.source_dtype`` in the config says why)
         self.source_dtype: torch.dtype | None = _DTYPES.get(cfg.residual.source_dtype)
