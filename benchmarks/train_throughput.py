@@ -220,12 +220,20 @@ def main() -> None:
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, compile={not args.no_compile}\n")
     print("| preset | variant | params (M) | tokens/step | step (ms) | tokens/s | MFU | peak GiB | vs baseline |")
     print("|---|---|---|---|---|---|---|---|---|")
-    base = {r["preset"]: r["tok_s"] for r in rows if r.get("variant") == "baseline" and "tok_s" in r}
+    # Each row against the baseline of its preset run the same way (graphed against graphed), else
+    # against the plain one.
+    def graphed(r: dict) -> bool:
+        return "graph" in r["variant"].split("/")[1:]
+
+    base = {(r["preset"], graphed(r)): r["tok_s"] for r in rows
+            if r["variant"].split("/")[0] == "baseline" and "tok_s" in r and not {"fused", "cd", "autotune", "mb4"}
+            & set(r["variant"].split("/")[1:])}
     for r in rows:
         if "error" in r:
             print(f"| {r['preset']} | {r['variant']} | error: {r['error'][:120]} |||||||")
             continue
-        ratio = f"{r['tok_s'] / base[r['preset']]:.3f}x" if r["preset"] in base else "-"
+        ref = base.get((r["preset"], graphed(r)), base.get((r["preset"], not graphed(r))))
+        ratio = f"{r['tok_s'] / ref:.3f}x" if ref else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"| {r['preset']} | {r['variant']} | {r['params_M']:.1f} | {r['tokens_per_step']} | {r['step_ms']:.1f} "
               f"| {r['tok_s']:,.0f} | {mfu} | {r['peak_GiB']:.1f} | {ratio} |")
