@@ -25,6 +25,12 @@ archlab's skinny-matmul kernel (``kernels/skinny_matmul.py``, ``layers.DECODE_LI
 ``--rope torch,triton`` measures decode once per way of rotating q/k and writing the cache: torch
 (inductor's kernels) or archlab's one fused kernel (``kernels/rope_cache.py``, ``layers.DECODE_ROPE``).
 
+``--swiglu unfused,fused`` measures decode once per way of gating SwiGLU: inductor's
+``silu(gate) * up`` kernel before ``w_down``, or the gating inside ``w_down``'s skinny-matmul kernel
+(``layers.DECODE_SWIGLU``; only where ``--linear`` puts ``w_down`` on that kernel).
+``--auto-max-out 1024,2048`` moves the rule of ``--linear auto`` (``layers.AUTO_MAX_OUT``: the widest
+output it puts on the skinny kernel), so that 1b's 2048-wide ``wo`` and ``w_down`` can be tried there.
+
 ``--profile`` also profiles 20 batch-1 decode steps of each model on the first ``--attention``
 kernel (the step body the graph captures, run uncaptured so the profiler sees every kernel) and
 prints, per model, the kernels per step, the GPU-busy time per step and the kernels that take it,
@@ -125,11 +131,19 @@ def main() -> None:
                     help=f"decode-step matmul kernels to measure, one or more of {layers.DECODE_LINEAR_MODES}")
     ap.add_argument("--rope", default=layers.DECODE_ROPE,
                     help=f"decode RoPE + cache-write paths to measure, one or more of {layers.DECODE_ROPE_MODES}")
+    ap.add_argument("--swiglu", default=layers.DECODE_SWIGLU,
+                    help=f"decode SwiGLU gating, one or more of {layers.DECODE_SWIGLU_MODES} (fused: inside "
+                         "w_down's skinny-matmul kernel, where --linear puts w_down on it)")
+    ap.add_argument("--auto-max-out", default=str(layers.AUTO_MAX_OUT),
+                    help="widest output --linear auto puts on the skinny-matmul kernel, one or more values "
+                         f"(default {layers.AUTO_MAX_OUT}, the measured rule)")
     ap.add_argument("--compile-mode", help="torch.compile mode of the decode step",
                     choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     ap.add_argument("--coordinate-descent", action="store_true",
                     help="inductor's coordinate-descent tuning of its generated kernels (as gpt-fast sets)")
     ap.add_argument("--no-prefill", action="store_true", help="decode rows only")
+    ap.add_argument("--no-branch", action="store_true",
+                    help="decode the baseline only (a change that leaves the branch's step as it is)")
     ap.add_argument("--no-decode", action="store_true", help="prefill rows only")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one prefill of each model")
     args = ap.parse_args()
@@ -146,6 +160,15 @@ def main() -> None:
     ropes = args.rope.split(",")
     if not set(ropes) <= set(layers.DECODE_ROPE_MODES):
         ap.error(f"--rope: each of {layers.DECODE_ROPE_MODES}, got {args.rope!r}")
+    swiglus = args.swiglu.split(",")
+    if not set(swiglus) <= set(layers.DECODE_SWIGLU_MODES):
+        ap.error(f"--swiglu: each of {layers.DECODE_SWIGLU_MODES}, got {args.swiglu!r}")
+    try:
+        widths = [int(w) for w in args.auto_max_out.split(",")]
+    except ValueError:
+        ap.error(f"--auto-max-out: comma-separated whole numbers, got {args.auto_max_out!r}")
+    if min(widths) < 1:
+        ap.error(f"--auto-max-out: each at least 1, got {args.auto_max_out!r}")
     if not torch.cuda.is_available():
         print("decode_latency: no CUDA device; nothing to measure")
         return
@@ -175,18 +198,22 @@ def main() -> None:
                         print(f"  {ms:7.4f} ms  x{count:4.1f}  {key}")
             for b in ([] if args.no_decode else [int(x) for x in args.batches.split(",")]):
                 refs = {}  # the baseline has no branch rows: SDPA's placement of them changes nothing
-                for mode, lin, rope in [(m, li, ro) for ro in ropes for li in linears for m in modes]:
+                for mode, lin, rope, sw, wide in [(m, li, ro, sw, wi) for ro in ropes for sw in swiglus
+                                                  for wi in widths for li in linears for m in modes]:
                     use(mode)  # read when the step is traced (a new engine per call)
-                    layers.DECODE_LINEAR, layers.DECODE_ROPE = lin, rope
-                    kernel = (*ATTENTION[mode][0::2], lin, rope)
+                    layers.DECODE_LINEAR, layers.DECODE_ROPE, layers.DECODE_SWIGLU = lin, rope, sw
+                    layers.AUTO_MAX_OUT = wide
+                    kernel = (*ATTENTION[mode][0::2], lin, rope, sw, wide)
                     if kernel not in refs:
                         refs[kernel] = bench_decode(base, b, args.context, args.steps, bw,
                                                     compile_mode=args.compile_mode)
                     ref = refs[kernel]
-                    dec = bench_decode(branch, b, args.context, args.steps, bw, compile_mode=args.compile_mode)
+                    dec = None if args.no_branch else bench_decode(branch, b, args.context, args.steps, bw,
+                                                                   compile_mode=args.compile_mode)
                     r = {"kind": "decode", "preset": preset, "batch": b, "context": args.context, "attention": mode,
-                         "linear": lin, "rope": rope, "baseline": as_dict(ref), "branch": as_dict(dec),
-                         "ratio": dec.ms_per_step / ref.ms_per_step}
+                         "linear": lin, "auto_max_out": wide, "rope": rope, "swiglu": sw, "baseline": as_dict(ref),
+                         "branch": as_dict(dec) if dec else None,
+                         "ratio": dec.ms_per_step / ref.ms_per_step if dec else None}
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             if args.profile:
@@ -194,7 +221,8 @@ def main() -> None:
                 runs = [(f"{name} ({mode})", m, mode) for name, m in (("baseline", base), ("branch", branch))]
                 for name, m, mode in runs:
                     use(mode)
-                    layers.DECODE_LINEAR, layers.DECODE_ROPE = linears[0], ropes[0]
+                    layers.DECODE_LINEAR, layers.DECODE_ROPE, layers.DECODE_SWIGLU = linears[0], ropes[0], swiglus[0]
+                    layers.AUTO_MAX_OUT = widths[0]
                     prof = profile_decode(m, args.context)
                     print(f"\nprofile {preset} {name} decode b1: {prof['kernels_per_step']:.0f} kernels/step, "
                           f"GPU busy {prof['gpu_busy_ms']:.3f} ms/step")
@@ -211,7 +239,13 @@ def main() -> None:
             print(f"| {r['preset']} | prefill (TTFT) | prompt {r['prompt']} | {b['ms']:.3f} | {d['ms']:.3f} | "
                   f"{r['ratio']:.3f} | {mfu(b)} / {mfu(d)} |")
         else:
-            print(f"| {r['preset']} | decode ({r['attention']}, {r['linear']}, rope {r['rope']}) | batch {r['batch']}, ctx {r['context']} | "
+            kernels = (f"{r['attention']}, {r['linear']} (auto to {r['auto_max_out']} wide), rope {r['rope']}, "
+                       f"swiglu {r['swiglu']}")
+            if d is None:
+                print(f"| {r['preset']} | decode ({kernels}) | batch {r['batch']}, ctx {r['context']} | "
+                      f"{b['ms_per_step']:.3f} | - | - | {b['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} ms |")
+                continue
+            print(f"| {r['preset']} | decode ({kernels}) | batch {r['batch']}, ctx {r['context']} | "
                   f"{b['ms_per_step']:.3f} | "
                   f"{d['ms_per_step']:.3f} | {r['ratio']:.3f} | {b['frac_of_roofline']:.1%} / "
                   f"{d['frac_of_roofline']:.1%} of {b['roofline_ms']:.3f} / {d['roofline_ms']:.3f} ms |")

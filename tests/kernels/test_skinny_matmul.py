@@ -45,6 +45,36 @@ def test_matches_float64(skinny, kernel_device, m, dtype):
         check(skinny.skinny_matmul(x.to(kernel_device), w.to(kernel_device)), x, w, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_gated_input_matches_float64(skinny, kernel_device, m, dtype):
+    """``gated=True``: the product of ``silu(gate) * up`` (SwiGLU's ``[gate | up]``), formed as
+    the kernel loads it, against float64 of the same gating rounded once to the input's dtype."""
+    for i, (k, n) in enumerate(SHAPES):
+        h, w = draw(m, 2 * k, n, seed=100 + 10 * m + i, dtype=dtype)
+        w = w[:, :k].contiguous()
+        g, up = h.double().chunk(2, dim=-1)
+        gated = torch.nn.functional.silu(g) * up
+        want = gated @ w.double().T
+        out = skinny.skinny_matmul(h.to(kernel_device), w.to(kernel_device), gated=True)
+        assert out.dtype == dtype and out.shape == want.shape
+        # bf16: each gated entry is rounded once (one ulp, 2^-8, or 2^-7 where the interpreter
+        # truncates), then the output once: bound each output by those roundings' worst sum
+        ulp = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+        bound = ulp * (gated.abs() @ w.double().abs().T) + ulp * want.abs() + 1e-5
+        assert ((out.cpu().double() - want).abs() <= bound).all()
+        ref = skinny.skinny_matmul_reference(h, w, gated=True)
+        assert ((ref.double() - want).abs() <= bound).all()
+
+
+def test_gated_input_refuses_a_width_that_is_not_twice_the_weight(skinny, kernel_device):
+    h, w = draw(1, 64, 8, seed=7, dtype=torch.float32)
+    with pytest.raises(ValueError, match="gated"):
+        skinny.skinny_matmul(h.to(kernel_device), w.to(kernel_device), gated=True)  # 64 != 2 x 64
+    with pytest.raises(ValueError, match="gated"):
+        skinny.skinny_matmul(h[:, :63].to(kernel_device), w[:, :31].contiguous().to(kernel_device), gated=True)
+
+
 def test_leading_dimensions_strided_input_and_a_weight_row_slice(skinny, kernel_device):
     x, w = draw(6, 96, 80, seed=3, dtype=torch.float32)
     x3 = x.view(2, 3, 96).to(kernel_device)
@@ -94,6 +124,17 @@ def test_a_compiled_graph_holds_the_custom_op(skinny, kernel_device):
     torch.compile(lambda x, w: skinny.skinny_matmul(x, w) + 1, backend=record)(x.to(kernel_device), w.to(kernel_device))
     op = torch.ops.archlab.skinny_matmul
     assert op in targets or op.default in targets
+
+
+@pytest.mark.compile
+def test_the_gated_product_inside_torch_compile(skinny, kernel_device):
+    """The gated form is the same opaque op under ``torch.compile`` (its flag an argument)."""
+    h, w = draw(1, 96, 40, seed=8, dtype=torch.float32)
+    w = w[:, :48].contiguous()
+    h, w = h.to(kernel_device), w.to(kernel_device)
+    got = torch.compile(lambda h, w: skinny.skinny_matmul(h, w, gated=True) * 3, dynamic=False)(h, w)
+    want = 3 * skinny.skinny_matmul_reference(h.cpu(), w.cpu(), gated=True)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_an_eager_call_does_not_import_dynamo(tmp_path):

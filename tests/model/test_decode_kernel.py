@@ -45,11 +45,14 @@ def randomised_model(cfg, seed: int):
     return model
 
 
-@pytest.mark.parametrize("linear", ["cublas", "triton"])
+@pytest.mark.parametrize("linear", ["cublas", "triton", "triton+gated"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_decoding_on_the_kernel_reproduces_the_full_forward(monkeypatch, case, linear):
+    """``triton+gated``: SwiGLU's gating inside ``w_down``'s kernel too (``DECODE_SWIGLU``)."""
+    linear, _, gated = linear.partition("+")
     monkeypatch.setattr(layers, "DECODE_ATTENTION", "triton")
     monkeypatch.setattr(layers, "DECODE_LINEAR", linear)
+    monkeypatch.setattr(layers, "DECODE_SWIGLU", "fused" if gated else "unfused")
     cfg = run_config(*CASES[case], extra=EXTRA.get(case, ()))
     model = randomised_model(cfg, seed=1)
     calls = []
@@ -57,14 +60,22 @@ def test_decoding_on_the_kernel_reproduces_the_full_forward(monkeypatch, case, l
     monkeypatch.setattr(layers, "_decode_attention_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     products = []
     skinny = layers._skinny_matmul_kernel
-    monkeypatch.setattr(layers, "_skinny_matmul_kernel", lambda *a: products.append(a[1].shape) or skinny(*a))
+    monkeypatch.setattr(layers, "_skinny_matmul_kernel",
+                        lambda *a: products.append((a[1].shape, a[2:] == (True,))) or skinny(*a))
     seqs = [torch.randint(1, 97, (n,)).tolist() for n in (12, 5, 9)]
     assert_matches_full_forward(model, seqs, prompt_lens=[3, 2, 7])
     assert calls, "the decode steps did not run the kernel"
     if linear == "triton":  # every decode step's unembedding, at least, is a skinny product
-        assert (cfg.model.vocab_size, model.lm_head.weight.shape[1]) in products
+        assert ((cfg.model.vocab_size, model.lm_head.weight.shape[1]), False) in products
     else:
         assert not products
+    # the gated product exactly where a SwiGLU's w_down (MoE's shared expert too) runs in a pass
+    # whose taps change nothing (the baseline's; the decode branch couples its rows at the gated
+    # activation)
+    from archlab.model.core.ffn import SwiGLU
+
+    swiglu = any(isinstance(m, SwiGLU) for m in model.modules()) and not cfg.model.branch.enabled
+    assert any(g for _, g in products) == (bool(gated) and swiglu), products
 
 
 def test_skinny_products_only_without_gradients_and_up_to_max_rows(monkeypatch):

@@ -17,6 +17,12 @@ is a plain weight-streaming GEMV:
 * the block sizes are autotuned per shape (``triton.autotune``, whose timing flushes the L2
   cache between runs, as a decode step's weights are never L2-resident).
 
+``gated=True`` takes SwiGLU's ``[gate | up]`` activation ``x [M, 2K]`` and multiplies
+``silu(gate) * up`` by ``w``, the product formed as each block of ``x`` is loaded (in fp32,
+rounded once to ``x``'s dtype, as inductor's fused pointwise kernel rounds it): the decode step's
+``w_down`` then needs no kernel of its own for the gating, and the gated activation is never
+written.
+
 Whether it beats cuBLAS for a shape is measured, not assumed: ``benchmarks/gemv_bandwidth.py``
 times both; ``layers.DECODE_LINEAR`` decides whether a decode step uses it. The kernel runs on
 CUDA and, for tests, in Triton's CPU interpreter (one fixed configuration there).
@@ -40,10 +46,11 @@ DOT_MIN_ROWS = 5  # from this many rows on, tensor cores (tiles of 16 rows)
 def _skinny_matmul_kernel(
     x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, EVEN: tl.constexpr,
+    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One program per ``BLOCK_N`` output features: their weight rows streamed over ``K``, the
-    ``M`` input rows' sums in fp32 registers."""
+    ``M`` input rows' sums in fp32 registers. ``GATED``: row ``m`` of the input is
+    ``silu(x[m, :K]) * x[m, K:]``."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -57,7 +64,13 @@ def _skinny_matmul_kernel(
         else:
             w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :],
                         other=0.0)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        x_at = x_ptr + m[:, None] * stride_xm + k[None, :]
+        x_ok = m_ok[:, None] & (k < K)[None, :]
+        x = tl.load(x_at, mask=x_ok, other=0.0)
+        if GATED:  # x holds the gate; the up projection is K columns further
+            g = x.to(tl.float32)
+            up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
+            x = (g * tl.sigmoid(g) * up).to(x_ptr.dtype.element_ty)
         if FP32_DOT:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         elif USE_DOT:
@@ -112,18 +125,24 @@ def _tuning_options() -> dict:
     return {k: v for k, v in (("do_bench", _quick_bench), ("cache_results", True)) if k in params}
 
 
-_tuned_kernel = triton.autotune(configs=_configs(), key=["N", "K", "M"],
+_tuned_kernel = triton.autotune(configs=_configs(), key=["N", "K", "M", "GATED"],
                                 prune_configs_by={"early_config_prune": _prune}, **_tuning_options())(_kernel)
 
 
-def skinny_matmul_reference(x: Tensor, w: Tensor) -> Tensor:
-    """Eager ground truth: ``x @ w.T`` in fp32, returned in ``x``'s dtype."""
+def skinny_matmul_reference(x: Tensor, w: Tensor, gated: bool = False) -> Tensor:
+    """Eager ground truth: ``x @ w.T`` in fp32, returned in ``x``'s dtype (``gated``: of
+    ``silu(gate) * up``, rounded to ``x``'s dtype first, as the kernel rounds it)."""
+    if gated:
+        g, up = x.float().chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(g) * up).to(x.dtype)
     return (x.float() @ w.float().T).to(x.dtype)
 
 
-def skinny_matmul(x: Tensor, w: Tensor) -> Tensor:
+def skinny_matmul(x: Tensor, w: Tensor, gated: bool = False) -> Tensor:
     """``x [..., K] @ w.T`` for ``w`` [N, K] with a contiguous last dimension and at most
     ``MAX_ROWS`` rows in ``x``; returns ``[..., N]`` in ``x``'s dtype (fp32 accumulation).
+    ``gated``: ``x`` is ``[..., 2K]``, SwiGLU's gate then up, and the product is of
+    ``silu(gate) * up``.
 
     A custom op, so ``torch.compile`` keeps it as one opaque call (autotuning happens at its
     first eager run, before a CUDA graph captures it) instead of tracing the Triton launch.
@@ -131,20 +150,23 @@ def skinny_matmul(x: Tensor, w: Tensor) -> Tensor:
     ``torch.library.custom_op`` imports ``torch._dynamo``, which an eager ``archlab generate``
     otherwise never needs (4.2 s of a warm 12 s run on the H200 machine's image, with its
     compilation: docs/benchmarks.md, seventeenth session)."""
-    *lead, k = x.shape
-    if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
-        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w is strided)")
-    rows = x.numel() // k if k else 0
+    *lead, width = x.shape
+    k = width // 2 if gated else width
+    if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1 or (gated and width != 2 * k):
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w is strided)"
+                         + (" with gated=True (x holds gate and up)" if gated else ""))
+    rows = x.numel() // width if width else 0
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: {rows} rows; 1 to {MAX_ROWS}")
     launch = torch.ops.archlab.skinny_matmul if torch.compiler.is_compiling() else _skinny_matmul_launch
-    return launch(x.reshape(rows, k), w).view(*lead, w.shape[0])
+    return launch(x.reshape(rows, width), w, gated).view(*lead, w.shape[0])
 
 
-def _skinny_matmul_launch(x: Tensor, w: Tensor) -> Tensor:
-    """The kernel's launch on ``x`` [M, K] and ``w`` [N, K]: the custom op's body."""
-    m, k = x.shape
-    n = w.shape[0]
+def _skinny_matmul_launch(x: Tensor, w: Tensor, gated: bool = False) -> Tensor:
+    """The kernel's launch on ``x`` [M, K] (``gated``: [M, 2K]) and ``w`` [N, K]: the custom
+    op's body."""
+    m = x.shape[0]
+    n, k = w.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -158,18 +180,18 @@ def _skinny_matmul_launch(x: Tensor, w: Tensor) -> Tensor:
     if interpreting():  # one configuration, large blocks: the interpreter's cost is per block
         bn, bk = max(16, min(64, triton.next_power_of_2(n))), max(16, min(256, triton.next_power_of_2(k)))
         _kernel[(triton.cdiv(n, bn),)](*args, M=m, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=use_dot,
-                                      FP32_DOT=fp32_dot)
+                                      FP32_DOT=fp32_dot, GATED=gated)
     else:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, M=m, BLOCK_M=block_m, USE_DOT=use_dot,
-                                                                        FP32_DOT=fp32_dot)
+                                                                        FP32_DOT=fp32_dot, GATED=gated)
     return out
 
 
 @torch.library.custom_op("archlab::skinny_matmul", mutates_args=())
-def _skinny_matmul_op(x: Tensor, w: Tensor) -> Tensor:
-    return _skinny_matmul_launch(x, w)
+def _skinny_matmul_op(x: Tensor, w: Tensor, gated: bool = False) -> Tensor:
+    return _skinny_matmul_launch(x, w, gated)
 
 
 @_skinny_matmul_op.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
+def _(x: Tensor, w: Tensor, gated: bool = False) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from archlab.model.core.context import Context
+from archlab.model.core.context import Context, Pass
 from archlab.model.core.cost import Cost
-from archlab.model.core.layers import Linear
+from archlab.model.core.layers import Linear, gated_linear
 
 if TYPE_CHECKING:
     from archlab.model.config import ModelConfig
@@ -39,7 +39,10 @@ class SwiGLU(nn.Module):
         init.linear(self.w_down.weight, role="out")
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        g, u = self.w_gate_up(x).split(self.hidden, dim=-1)
+        h = self.w_gate_up(x)
+        if type(ctx.rows).tap is Pass.tap and (fused := gated_linear(h, self.w_down.weight)) is not None:
+            return fused  # a decode step's few rows: gated inside w_down's kernel (DECODE_SWIGLU)
+        g, u = h.split(self.hidden, dim=-1)
         u = ctx.rows.tap(ctx.visit, "u", F.silu(g) * u)
         return self.w_down(u)
 

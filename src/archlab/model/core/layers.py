@@ -83,6 +83,29 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+# Whether a decode step's SwiGLU hands ``[gate | up]`` to ``w_down``'s skinny-matmul kernel, which
+# gates as it loads (``skinny_matmul(..., gated=True)``): "fused", or "unfused" (inductor's
+# ``silu(gate) * up`` kernel, then the product). Only where ``DECODE_LINEAR`` puts ``w_down`` on
+# the kernel, and only in a pass whose taps change nothing (the decode branch couples its rows at
+# the gated activation, so its passes stay unfused). The default stays "unfused" until a GPU
+# measures the fused path faster. Read when a step is traced: set it before compiling.
+DECODE_SWIGLU = "unfused"
+DECODE_SWIGLU_MODES = ("fused", "unfused")
+
+
+def gated_linear(h: Tensor, weight: Tensor) -> Tensor | None:
+    """``(silu(gate) * up) @ weight.T`` for SwiGLU's ``h = [gate | up]`` in one kernel launch, where
+    ``DECODE_SWIGLU`` and ``DECODE_LINEAR`` put that product on the skinny-matmul kernel; None
+    elsewhere (the caller gates and multiplies as usual)."""
+    if DECODE_SWIGLU not in DECODE_SWIGLU_MODES:
+        raise ValueError(f"DECODE_SWIGLU must be one of {DECODE_SWIGLU_MODES}, not {DECODE_SWIGLU!r}")
+    if (DECODE_SWIGLU == "unfused" or h.shape[-1] != 2 * weight.shape[1] or weight.stride(-1) != 1
+            or not skinny_matmul_for(h.device, h.numel() // max(1, h.shape[-1]), weight.shape[0])
+            or (torch.is_grad_enabled() and (weight.requires_grad or h.requires_grad))):
+        return None
+    return _skinny_matmul_kernel(h, weight, True)  # gated
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` without bias whose decode-step products may run on the skinny-matmul
     kernel (``linear``); its parameters and state dict are ``nn.Linear``'s."""
