@@ -11,6 +11,7 @@
 # 3. This code's variants, each against the graphed baseline of the same process, in the
 #    order given (a timeout cuts the tail). Default: the depth-routing family and the decode
 #    branch, all graphed, Triton routing.
+# PROFILE=VARIANT also profiles that variant's step (kernel categories and its longest kernels).
 # Each part gets what is left of SECONDS (default 570); the JSON rows land in $OUT.
 set -uo pipefail
 preset=${1:?usage: device_train_table.sh PRESET [SECONDS] [VARIANTS]}
@@ -39,6 +40,7 @@ before() {  # the earlier commit's graphed baseline, its own process and inducto
 before 120 a
 left=$((total - SECONDS - 70)); [ $left -gt 60 ] || left=60
 PYTHONPATH=$PWD/src timeout $left python3 benchmarks/train_throughput.py --data $data --presets $preset \
-    --variants "$variants" $steps --json "$out/train_$preset.json" | tee "$out/train_$preset.txt"
+    --variants "$variants" $steps ${PROFILE:+--profile "$PROFILE" --top 12} --json "$out/train_$preset.json" \
+    | tee "$out/train_$preset.txt"
 left=$((total - SECONDS)); [ $left -gt 30 ] && before $left b
 exit 0
