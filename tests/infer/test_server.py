@@ -185,6 +185,50 @@ def test_malformed_requests_are_400_with_one_message(served, body, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+def test_two_hundred_concurrent_requests_through_four_slots(served):
+    """200 requests at once into 4 slots (196 wait in the queue), every other one streamed: each
+    completes, none is lost or answered with another's tokens, and each greedy text is what a
+    serial run of the same prompts through one slot gives."""
+    import asyncio
+
+    client, model, tok, eos, loop, port = served
+    jobs = [(f"def g{i}(", 2 + i % 5, i % 2 == 0) for i in range(200)]  # (prompt, max_tokens, stream)
+    serial = Engine(model, slots=1)
+    want = [tok.decode([t for t in serial.generate([tok.encode(p).ids], SamplingParams(
+        max_new_tokens=n, stop_tokens=(eos,), temperature=0.0))[0].tokens if t != eos]) for p, n, _ in jobs]
+
+    async def one(http: httpx.AsyncClient, prompt: str, n: int, stream: bool) -> tuple[str, int]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": stream}
+        if not stream:
+            r = await http.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+        body["stream_options"] = {"include_usage": True}
+        text, used = [], -1
+        async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    text += [c["text"] for c in chunk["choices"]]
+                    used = (chunk.get("usage") or {}).get("completion_tokens", used)
+        return "".join(text), used
+
+    async def all_of_them() -> list[tuple[str, int]]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as http:
+            return await asyncio.gather(*(one(http, *job) for job in jobs))
+
+    assert len(set(want)) > 20  # the prompts' texts differ: a request answered with another's would show
+    got = asyncio.run(all_of_them())
+    assert len(got) == len(jobs)
+    for (prompt, n, stream), (text, used), text_alone in zip(jobs, got, want):
+        assert text == text_alone and 1 <= used <= n, (prompt, stream, text, text_alone)
+    deadline = time.time() + 10  # nothing left behind: no request waits or decodes
+    while loop.scheduler.busy or loop.scheduler.waiting:
+        assert time.time() < deadline, "requests were left in the scheduler"
+        time.sleep(0.05)
+
+
 def test_a_dropped_client_frees_its_slot(served):
     client, model, tok, eos, loop, port = served
     body = {"model": "tiny", "prompt": "def long(", "max_tokens": 200, "temperature": 0.9, "stream": True}
