@@ -1,7 +1,7 @@
 """The traffic floor of exact depth routing: how fast AttnRes / MHAR can train at best, by arithmetic.
 
     python benchmarks/routing_floor.py [--presets 124m,350m,1b] [--blocks 0,8] [--bandwidth 3.0]
-        [--base-ms 124m=72.6] [--removed-ms 124m=3.8] [--target 124m:0=0.85]
+        [--base-ms 124m=72.6] [--removed-ms 124m=3.8] [--measured 124m:0=7.9/16.5]
 
 Full or block routing reads, at every routing site, each of its sources' rows: the (read, source)
 pairs are the model's own ``read_source_counts`` (the same function the model's cost accounting
@@ -15,7 +15,10 @@ each row, not the pairs, so the floor is the same for any ``H``.
 With the baseline's step time (``--base-ms``) and the time of the residual adds that routing
 replaces (``--removed-ms``, measured as the drop in the baseline's fused elementwise kernels), the
 best ratio any exact kernel of this traffic can reach is ``base / (base + floor - removed)``.
-Prints a Markdown table; nothing is timed.
+With the routing kernels' measured time per step (``--measured PRESET:BLOCKS=FWD/BWD``, ms, from
+``train_throughput.py --profile``'s "routing fwd" and "routing bwd" categories) it also prints the
+bytes/s they reached on that traffic, against the copy bandwidth. Prints Markdown tables; nothing
+is timed here.
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ def per_preset(ap: argparse.ArgumentParser, text: str, what: str) -> dict[str, f
     return out
 
 
+def measured_ms(ap: argparse.ArgumentParser, text: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """``PRESET:BLOCKS=FWD/BWD,...`` as {(preset, blocks): (fwd ms, bwd ms)}; else one line, exit 2."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        preset, _, blocks = key.partition(":")
+        fwd, _, bwd = value.partition("/")
+        try:
+            out[preset, int(blocks)] = (float(fwd), float(bwd))
+        except ValueError:
+            ap.error(f"--measured takes PRESET:BLOCKS=FWD/BWD (ms), got {item!r}")
+        if min(out[preset, int(blocks)]) <= 0:
+            ap.error(f"--measured times must be positive, got {item!r}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="124m,350m,1b")
@@ -55,7 +74,11 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=3.0, help="copy bandwidth in TB/s")
     ap.add_argument("--base-ms", default="", help="baseline step ms per preset: 124m=72.6,...")
     ap.add_argument("--removed-ms", default="", help="residual-add ms routing removes per preset")
+    ap.add_argument("--measured", default="",
+                    help="routing kernels' measured ms per step: PRESET:BLOCKS=FWD/BWD,... (e.g. 124m:0=7.9/16.5)")
     args = ap.parse_args()
+    measured = measured_ms(ap, args.measured)
+    reached = []
     if args.bandwidth <= 0:
         ap.error("--bandwidth must be positive")
     base, removed = per_preset(ap, args.base_ms, "--base-ms"), per_preset(ap, args.removed_ms, "--removed-ms")
@@ -90,6 +113,19 @@ def main() -> None:
                 best = b_text = "-"
             print(f"| {preset} | {label} | {pairs} | {positions:,} | {d} | {fwd:.1f} | {bwd:.1f} | {floor:.1f} "
                   f"| {b_text} | {best} |")
+            if (preset, blocks) in measured:
+                m_fwd, m_bwd = measured[preset, blocks]
+                gb = pass_ms * args.bandwidth * 1e12 / 1e3 / 1e9  # one pass's bytes, GB
+                reached.append((preset, label, m_fwd, PASSES_FORWARD * gb, m_bwd, PASSES_BACKWARD * gb))
+    if reached:
+        print(f"\nmeasured routing kernels on this traffic (copy bandwidth {args.bandwidth} TB/s)")
+        print("| preset | routing | forward ms | forward GB | forward TB/s | of copy | backward ms | backward GB "
+              "| backward TB/s | of copy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for preset, label, m_fwd, gb_fwd, m_bwd, gb_bwd in reached:
+            tf, tb = gb_fwd / m_fwd, gb_bwd / m_bwd  # GB/ms = TB/s
+            print(f"| {preset} | {label} | {m_fwd:.1f} | {gb_fwd:.1f} | {tf:.2f} | {tf / args.bandwidth:.0%} "
+                  f"| {m_bwd:.1f} | {gb_bwd:.1f} | {tb:.2f} | {tb / args.bandwidth:.0%} |")
 
 
 if __name__ == "__main__":
