@@ -167,3 +167,27 @@ def test_auto_fuses_rope_and_cache_writes_on_cuda_only(monkeypatch):
     monkeypatch.setattr(layers, "DECODE_ROPE", "fused")
     with pytest.raises(ValueError, match="DECODE_ROPE"):
         layers.rope_cache_for(torch.device("cpu"))
+
+
+def test_fused_swiglu_only_where_w_down_is_a_skinny_product(monkeypatch):
+    """``DECODE_SWIGLU = "fused"`` follows ``DECODE_LINEAR``'s choice for ``w_down``: never on
+    the CPU under auto, never with gradients, never for a width that is not gate-and-up."""
+    monkeypatch.setattr(layers, "DECODE_SWIGLU", "fused")
+    w = torch.randn(8, 16)
+    h = torch.randn(1, 1, 32)
+    monkeypatch.setattr(layers, "DECODE_LINEAR", "auto")
+    with torch.no_grad():
+        assert layers.gated_linear(h, w) is None  # auto: the kernel on CUDA only
+    monkeypatch.setattr(layers, "DECODE_LINEAR", "triton")
+    calls = []
+    monkeypatch.setattr(layers, "_skinny_matmul_kernel", lambda *a: calls.append(a[2:]) or a[0][..., :8])
+    with torch.no_grad():
+        assert layers.gated_linear(h, w) is not None and calls == [(True,)]
+        assert layers.gated_linear(torch.randn(1, 1, 30), w) is None  # not 2 x 16 wide
+    assert layers.gated_linear(h, w.requires_grad_()) is None  # training: the plain path
+    monkeypatch.setattr(layers, "DECODE_SWIGLU", "unfused")
+    with torch.no_grad():
+        assert layers.gated_linear(h, w) is None
+    monkeypatch.setattr(layers, "DECODE_SWIGLU", "gated")
+    with pytest.raises(ValueError, match="DECODE_SWIGLU"):
+        layers.gated_linear(h, w)
