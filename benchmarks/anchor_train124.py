@@ -22,7 +22,8 @@ SIZES = {"124M": (50304, 768, 12, 12, 32, 1024), "350M": (50304, 1024, 16, 24, 1
 
 def main() -> None:
     if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] not in SIZES):
-        raise SystemExit(f"usage: anchor_train124.py PATH/TO/gpu_anchor.py [{'|'.join(SIZES)}]")
+        print(f"usage: anchor_train124.py PATH/TO/gpu_anchor.py [{'|'.join(SIZES)}]", file=sys.stderr)
+        sys.exit(2)
     size = sys.argv[2] if len(sys.argv) == 3 else "124M"
     if not torch.cuda.is_available():
         raise SystemExit("anchor_train124: no CUDA device; nothing to measure")

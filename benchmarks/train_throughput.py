@@ -225,9 +225,11 @@ def main() -> None:
     def graphed(r: dict) -> bool:
         return "graph" in r["variant"].split("/")[1:]
 
-    base = {(r["preset"], graphed(r)): r["tok_s"] for r in rows
-            if r["variant"].split("/")[0] == "baseline" and "tok_s" in r and not {"fused", "cd", "autotune", "mb4"}
-            & set(r["variant"].split("/")[1:])}
+    def plain_baseline(r: dict) -> bool:  # the baseline with no suffix but /graph
+        name, *mods = r["variant"].split("/")
+        return name == "baseline" and set(mods) <= {"graph"} and "tok_s" in r
+
+    base = {(r["preset"], graphed(r)): r["tok_s"] for r in rows if plain_baseline(r)}
     for r in rows:
         if "error" in r:
             print(f"| {r['preset']} | {r['variant']} | error: {r['error'][:120]} |||||||")

@@ -73,12 +73,19 @@ def skinny_matmul_for(device: torch.device, rows: int, out_features: int) -> boo
     return DECODE_LINEAR == "triton"
 
 
+def _on_skinny_kernel(x: Tensor, weight: Tensor) -> bool:
+    """Whether the product of ``x``'s rows by ``weight`` goes to the skinny-matmul kernel: where
+    ``DECODE_LINEAR`` picks it for this many rows into this many features, the weight's rows are
+    contiguous, and nothing needs gradients."""
+    return (skinny_matmul_for(x.device, x.numel() // max(1, x.shape[-1]), weight.shape[0])
+            and weight.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.T`` (no bias), on the kernel ``DECODE_LINEAR`` picks for a product this
     skinny (never for one that needs gradients)."""
-    if (skinny_matmul_for(x.device, x.numel() // max(1, x.shape[-1]), weight.shape[0])
-            and weight.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+    if _on_skinny_kernel(x, weight):
         return _skinny_matmul_kernel(x, weight)
     return F.linear(x, weight)
 
@@ -99,9 +106,7 @@ def gated_linear(h: Tensor, weight: Tensor) -> Tensor | None:
     elsewhere (the caller gates and multiplies as usual)."""
     if DECODE_SWIGLU not in DECODE_SWIGLU_MODES:
         raise ValueError(f"DECODE_SWIGLU must be one of {DECODE_SWIGLU_MODES}, not {DECODE_SWIGLU!r}")
-    if (DECODE_SWIGLU == "unfused" or h.shape[-1] != 2 * weight.shape[1] or weight.stride(-1) != 1
-            or not skinny_matmul_for(h.device, h.numel() // max(1, h.shape[-1]), weight.shape[0])
-            or (torch.is_grad_enabled() and (weight.requires_grad or h.requires_grad))):
+    if DECODE_SWIGLU == "unfused" or h.shape[-1] != 2 * weight.shape[1] or not _on_skinny_kernel(h, weight):
         return None
     return _skinny_matmul_kernel(h, weight, True)  # gated
 
